@@ -1,0 +1,144 @@
+"""The one collector: source states and derivations -> metric families -> cached exposition.
+
+Rendering happens once per collection cycle, on the event loop, from memory only;
+/metrics serves the cached bytes, so a scrape never waits on vLLM or NVML.
+"""
+
+from __future__ import annotations
+
+import gzip
+import platform
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+from exporter import __version__
+from exporter.catalogue import Family, build_families
+from exporter.derive import EngineDerived
+from exporter.sources import ErrorKind, Source
+from exporter.sources.vllm_http import VllmTarget
+
+COLLECTOR_ERROR_KINDS = tuple(ErrorKind)
+
+
+@dataclass(frozen=True, slots=True)
+class Exposition:
+    text: bytes
+    openmetrics: bytes
+    text_gzip: bytes = field(repr=False, default=b"")
+    openmetrics_gzip: bytes = field(repr=False, default=b"")
+
+
+def self_families(window_seconds: float, sources: Sequence[Source]) -> Iterator[Family]:
+    info = Family("kvoffload_build_info")
+    info.add([__version__, platform.python_version()], 1)
+    yield info
+    win = Family("kvoffload_window_seconds")
+    win.add([], window_seconds)
+    yield win
+    up = Family("kvoffload_collector_up")
+    dur = Family("kvoffload_collector_duration_seconds")
+    last = Family("kvoffload_collector_last_success_timestamp_seconds")
+    errs = Family("kvoffload_collector_errors_total")
+    for src in sources:
+        if isinstance(src, VllmTarget):
+            continue  # targets report through kvoffload_target_*
+        h = src.health
+        up.add([src.name], 1.0 if h.up else 0.0)
+        if h.duration is not None:
+            dur.add([src.name], h.duration)
+        if h.last_success is not None:
+            last.add([src.name], h.last_success)
+        for kind in COLLECTOR_ERROR_KINDS:
+            errs.add([src.name, str(kind)], h.errors_total.get(kind, 0))
+    yield from (up, dur, last, errs)
+
+
+# (metric name, attribute of EngineDerived) for plain optional gauges.
+_DERIVED_GAUGES: tuple[tuple[str, str], ...] = (
+    ("kvoffload_offload_buffer_bytes", "offload_buffer_bytes"),
+    ("kvoffload_gpu_kv_cache_capacity_tokens", "gpu_capacity_tokens"),
+    ("kvoffload_kv_cache_usage_ratio", "kv_usage"),
+    ("kvoffload_gpu_prefix_hit_ratio", "gpu_prefix_hit_ratio"),
+    ("kvoffload_offload_hit_ratio", "offload_hit_ratio"),
+    ("kvoffload_offload_lookup_hit_ratio", "offload_lookup_hit_ratio"),
+    ("kvoffload_offload_load_bandwidth_bytes_per_second", "load_bandwidth"),
+    ("kvoffload_offload_store_bandwidth_bytes_per_second", "store_bandwidth"),
+    ("kvoffload_offload_reuse_ratio", "reuse_ratio"),
+    ("kvoffload_kv_bytes_per_token", "kv_bytes_per_token"),
+    ("kvoffload_recompute_tokens_per_second", "recompute_tokens_per_second"),
+    ("kvoffload_prefill_average_tokens_per_second", "prefill_average_tokens_per_second"),
+    ("kvoffload_transfer_tokens_per_second", "transfer_tokens_per_second"),
+    ("kvoffload_transfer_speedup_ratio", "transfer_speedup"),
+)
+
+# (metric name, running-total key) for re-exported counters.
+_DERIVED_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("kvoffload_offload_load_bytes_total", "load_bytes"),
+    ("kvoffload_offload_store_bytes_total", "store_bytes"),
+    ("kvoffload_offload_load_seconds_total", "load_seconds"),
+    ("kvoffload_offload_store_seconds_total", "store_seconds"),
+)
+
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def derived_families(per_target: Iterable[tuple[str, Sequence[EngineDerived]]]) -> list[Family]:
+    enabled = Family("kvoffload_offload_enabled")
+    gauges = {name: Family(name) for name, _ in _DERIVED_GAUGES}
+    counters = {name: Family(name) for name, _ in _DERIVED_COUNTERS}
+    prompt = Family("kvoffload_prompt_tokens_total")
+    estimated = Family("kvoffload_transfer_rate_estimated")
+    overhead = Family("kvoffload_prefill_request_overhead_seconds")
+    fit_points = Family("kvoffload_prefill_fit_points")
+    for target, engines in per_target:
+        for d in engines:
+            labels = [target, d.key.model_name, d.key.engine]
+            enabled.add(labels, 1.0 if d.offload_enabled else 0.0)
+            for name, attr in _DERIVED_GAUGES:
+                value = getattr(d, attr)
+                if value is not None:
+                    gauges[name].add(labels, value)
+            for name, key in _DERIVED_COUNTERS:
+                if key in d.totals:
+                    counters[name].add(labels, d.totals[key])
+            for src in PROMPT_SOURCES:
+                key = f"prompt_by_source:{src}"
+                if key in d.totals:
+                    prompt.add([*labels, src], d.totals[key])
+            if d.transfer_tokens_per_second is not None:
+                estimated.add(labels, 1.0 if d.transfer_estimated else 0.0)
+            if d.prefill_fit is not None:
+                overhead.add(labels, d.prefill_fit.overhead_seconds)
+            fit_points.add(labels, d.prefill_fit.points if d.prefill_fit else 0)
+    return [enabled, *gauges.values(), *counters.values(), prompt, estimated, overhead, fit_points]
+
+
+class _Snapshot:
+    """A prometheus_client collector over a fixed list of families."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return self._metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+def render(families: Iterable[Family]) -> Exposition:
+    metrics = build_families(families)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(metrics))
+    text = generate_latest(registry)
+    om: bytes = generate_openmetrics(registry)  # type: ignore[no-untyped-call]
+    return Exposition(
+        text=text,
+        openmetrics=om,
+        text_gzip=gzip.compress(text, compresslevel=5),
+        openmetrics_gzip=gzip.compress(om, compresslevel=5),
+    )

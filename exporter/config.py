@@ -1,0 +1,342 @@
+"""Configuration: one option table drives flags, KVOE_* environment variables and YAML keys.
+
+Precedence: flag, then environment, then the YAML file, then the default. Every
+problem found is reported together in one ConfigError; nothing here exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from exporter.sources.vllm_http import TargetConfig
+
+DEFAULT_PORT = 9747
+
+
+class ConfigError(ValueError):
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
+        self.problems = list(problems)
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.I)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "KI": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "MI": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "GI": 1 << 30,
+    "GIB": 1 << 30,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "TI": 1 << 40,
+    "TIB": 1 << 40,
+}
+
+
+def parse_bytes(text: str | float | int) -> int:
+    """'0.5GiB' -> 536870912; plain numbers are bytes."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        if not math.isfinite(text) or text < 0:
+            raise ValueError(f"bad size {text!r}")
+        return int(text)
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"bad size {text!r} (examples: 1048576, 512MiB, 0.5GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        raise ValueError(f"--listen {text!r}: expected HOST:PORT or :PORT")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"--listen {text!r}: port is not a number") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"--listen {text!r}: port out of range")
+    return host.strip("[]") or "0.0.0.0", number
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    flag: str  # --flag name without dashes
+    kind: str  # str | float | int | bool | bytes | list | bytes_list
+    default: Any
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def key(self) -> str:
+        return self.flag.replace("-", "_").replace(".", "_")
+
+    @property
+    def env(self) -> str:
+        return "KVOE_" + self.key.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "vllm-url",
+        "list",
+        [],
+        "vLLM API server base URL to scrape (repeatable; "
+        "KVOE_VLLM_URLS takes a comma-separated list)",
+        "URL",
+    ),
+    Option(
+        "listen",
+        "str",
+        f":{DEFAULT_PORT}",
+        "HOST:PORT to serve /metrics on (default all interfaces, like other exporters)",
+        "HOST:PORT",
+    ),
+    Option("interval", "float", 5.0, "seconds between collections", "SECONDS"),
+    Option("window", "float", 300.0, "sliding window for ratios and rates, seconds", "SECONDS"),
+    Option(
+        "scrape-timeout",
+        "float",
+        0.0,
+        "timeout per vLLM scrape, seconds (0: the smaller of interval and 10 s)",
+        "SECONDS",
+    ),
+    Option(
+        "max-body-bytes",
+        "bytes",
+        16 << 20,
+        "largest vLLM /metrics body read (e.g. 16MiB); larger bodies count as too_large",
+        "SIZE",
+    ),
+    Option(
+        "kv-bytes-per-token",
+        "float",
+        0.0,
+        "KV cache bytes per token of the model, when "
+        "vLLM's metrics cannot tell (no offload, --num-gpu-blocks-override)",
+        "BYTES",
+    ),
+    Option(
+        "assumed-load-bandwidth",
+        "bytes",
+        0,
+        "bytes/s a CPU->GPU reload would reach, "
+        "for engines without offload (0: estimate from the PCIe link)",
+        "SIZE",
+    ),
+    Option("log-format", "str", "text", "log line format", choices=("text", "json")),
+    Option("log-level", "str", "info", "log level", choices=("debug", "info", "warning", "error")),
+)
+OPTION_BY_KEY: Mapping[str, Option] = {o.key: o for o in OPTIONS}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    targets: tuple[TargetConfig, ...] = ()
+    listen: str = f":{DEFAULT_PORT}"
+    interval: float = 5.0
+    window: float = 300.0
+    scrape_timeout: float = 0.0
+    max_body_bytes: int = 16 << 20
+    kv_bytes_per_token: float = 0.0
+    assumed_load_bandwidth: int = 0
+    log_format: str = "text"
+    log_level: str = "info"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+    @property
+    def effective_scrape_timeout(self) -> float:
+        return self.scrape_timeout or min(self.interval, 10.0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML config file (keys as the flags, with _ for - and .)",
+        default=os.environ.get("KVOE_CONFIG"),
+    )
+    for opt in OPTIONS:
+        kw: dict[str, Any] = {"dest": opt.key, "default": None, "help": opt.help}
+        if opt.metavar:
+            kw["metavar"] = opt.metavar
+        if opt.choices:
+            kw["choices"] = opt.choices
+        if opt.kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif opt.kind == "list":
+            kw["action"] = "append"
+        parser.add_argument("--" + opt.flag, **kw)
+
+
+def _coerce(opt: Option, value: Any, where: str, problems: list[str]) -> Any:
+    try:
+        if opt.kind == "list":
+            if isinstance(value, str):
+                return [v.strip() for v in value.split(",") if v.strip()]
+            if isinstance(value, list):
+                return [str(v) for v in value]
+            raise ValueError("expected a list")
+        if opt.kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"expected true or false, got {value!r}")
+        if opt.kind == "float":
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError("not a finite number")
+            return number
+        if opt.kind == "int":
+            return int(value)
+        if opt.kind == "bytes":
+            return parse_bytes(value)
+        if opt.kind == "bytes_list":
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return [parse_bytes(v) for v in items if str(v).strip()]
+        text = str(value)
+        if opt.choices and text not in opt.choices:
+            raise ValueError(f"expected one of {', '.join(opt.choices)}")
+        return text
+    except (TypeError, ValueError) as exc:
+        problems.append(f"{where}: {exc}")
+        return None
+
+
+def _targets_from(values: dict[str, Any], problems: list[str]) -> tuple[TargetConfig, ...]:
+    out: list[TargetConfig] = []
+    for url in values.get("vllm_url") or []:
+        out.append(TargetConfig(url=url))
+    for i, item in enumerate(values.get("targets") or []):
+        where = f"targets[{i}]"
+        if not isinstance(item, dict) or "url" not in item:
+            problems.append(f"{where}: expected a mapping with url")
+            continue
+        unknown = set(item) - {"url", "name", "pid", "kv_bytes_per_token"}
+        if unknown:
+            problems.append(f"{where}: unknown keys {sorted(unknown)}")
+        try:
+            pid = int(item["pid"]) if item.get("pid") is not None else None
+            bpt = float(item["kv_bytes_per_token"]) if item.get("kv_bytes_per_token") else None
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{where}: {exc}")
+            continue
+        out.append(
+            TargetConfig(
+                url=str(item["url"]),
+                name=str(item.get("name") or ""),
+                pid=pid,
+                kv_bytes_per_token=bpt,
+            )
+        )
+    for t in out:
+        parts = urlsplit(t.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            problems.append(
+                f"target {t.url!r}: expected an http(s) URL such as http://127.0.0.1:8000"
+            )
+    labels = [t.label for t in out]
+    dupes = sorted({label for label in labels if labels.count(label) > 1})
+    if dupes:
+        problems.append(f"targets: duplicate target labels {dupes}; give them distinct names")
+    return tuple(out)
+
+
+def load_config(
+    args: argparse.Namespace | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    require_targets: bool = True,
+) -> Config:
+    """Merge flag, environment, YAML and defaults into a frozen Config."""
+    environ = os.environ if environ is None else environ
+    problems: list[str] = []
+    values: dict[str, Any] = {o.key: o.default for o in OPTIONS}
+
+    path = getattr(args, "config", None) if args is not None else environ.get("KVOE_CONFIG")
+    file_values: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError([f"--config {path}: {exc}"]) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError([f"--config {path}: expected a mapping at the top level"])
+        file_values = {str(k).replace("-", "_").replace(".", "_"): v for k, v in loaded.items()}
+        for key, raw in file_values.items():
+            if key == "targets":
+                continue
+            opt = OPTION_BY_KEY.get(key)
+            if opt is None:
+                problems.append(f"{path}: unknown key {key!r}")
+                continue
+            values[key] = _coerce(opt, raw, f"{path}: {key}", problems)
+
+    for opt in OPTIONS:
+        names = [opt.env] + (["KVOE_VLLM_URLS"] if opt.key == "vllm_url" else [])
+        for name in names:
+            if name in environ and environ[name] != "":
+                values[opt.key] = _coerce(opt, environ[name], name, problems)
+
+    if args is not None:
+        for opt in OPTIONS:
+            raw = getattr(args, opt.key, None)
+            if raw is not None:
+                values[opt.key] = _coerce(opt, raw, "--" + opt.flag, problems)
+
+    values["targets"] = file_values.get("targets")
+    targets = _targets_from(values, problems)
+    if require_targets and not targets:
+        problems.append(
+            "no vLLM target: give --vllm-url URL (or KVOE_VLLM_URLS, or targets: in --config)"
+        )
+
+    known = {f.name for f in fields(Config)}
+    kwargs = {k: v for k, v in values.items() if k in known and k != "targets" and v is not None}
+    extra = {k: v for k, v in values.items() if k not in known and k not in ("vllm_url", "targets")}
+    cfg = Config(targets=targets, extra=extra, **kwargs)
+
+    if cfg.interval <= 0:
+        problems.append("--interval must be positive")
+    if cfg.window < 2 * cfg.interval:
+        problems.append("--window must be at least twice --interval")
+    if cfg.scrape_timeout < 0:
+        problems.append("--scrape-timeout must not be negative")
+    if cfg.max_body_bytes < 1024:
+        problems.append("--max-body-bytes must be at least 1KiB")
+    if cfg.kv_bytes_per_token < 0:
+        problems.append("--kv-bytes-per-token must not be negative")
+    try:
+        parse_listen(cfg.listen)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ConfigError(problems)
+    return cfg

@@ -1,0 +1,283 @@
+"""Pure derivations: a target's window -> per-engine derived values, None when unknown.
+
+Nothing here does I/O or reads a clock; tests feed recorded scrapes. A value that
+cannot be computed honestly (no denominator in the window, stale input, an
+unidentifiable fit) is None, which the collector renders as an absent series.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
+from exporter.window import TargetWindow
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class DeriveSettings:
+    stale_after: float  # seconds after which the last scrape no longer counts as current
+    kv_bytes_per_token: float | None = None  # operator override for the target
+    assumed_load_bandwidth: float | None = None  # bytes/s, for engines without offload
+    link_bandwidth: float | None = None  # bytes/s, theoretical host link (from NVML)
+    link_efficiency: float = 0.56  # achieved/theoretical for vLLM's block copies (H200: 31/55)
+    min_fit_points: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFit:
+    """prefill_seconds = overhead * requests + seconds_per_token * computed_tokens."""
+
+    overhead_seconds: float
+    seconds_per_token: float
+    points: int
+    r2: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDerived:
+    key: EngineKey
+    fresh: bool
+    offload_enabled: bool
+    offload_buffer_bytes: float | None
+    gpu_capacity_tokens: float | None
+    block_size: int | None
+    kv_usage: float | None
+    gpu_prefix_hit_ratio: float | None
+    offload_hit_ratio: float | None
+    offload_lookup_hit_ratio: float | None
+    load_bandwidth: float | None
+    store_bandwidth: float | None
+    reuse_ratio: float | None
+    kv_bytes_per_token: float | None
+    kv_bytes_per_token_method: str | None
+    prefill_fit: PrefillFit | None
+    recompute_tokens_per_second: float | None
+    prefill_average_tokens_per_second: float | None
+    transfer_tokens_per_second: float | None
+    transfer_estimated: bool
+    transfer_speedup: float | None
+    window: Mapping[str, float]  # window sums of the counters, for the advisor
+    totals: Mapping[str, float]  # reset-safe running totals
+
+
+def _ratio(sums: tuple[float, ...] | None) -> float | None:
+    if sums is None:
+        return None
+    num, den = sums
+    if den <= 0:
+        return None
+    return min(max(num / den, 0.0), 1.0)
+
+
+def _rate(sums: tuple[float, ...] | None) -> float | None:
+    if sums is None:
+        return None
+    num, den = sums
+    if den <= 0 or num < 0:
+        return None
+    return num / den
+
+
+def _float(text: str | None) -> float | None:
+    if text is None or text in ("None", ""):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def offload_settings(
+    cache_config: Mapping[str, str] | None, es: EngineSample
+) -> tuple[bool, float | None]:
+    """Is offload on for this engine, and how big is its CPU buffer in bytes."""
+    if es.offload_config is not None:
+        size = _float(es.offload_config.get("cpu_kv_cache_size_bytes"))
+        return True, size
+    size_gib = _float((cache_config or {}).get("kv_offloading_size"))
+    backend = (cache_config or {}).get("kv_offloading_backend", "native")
+    if size_gib is not None and size_gib > 0:
+        # lmcache owns its own capacity; the flag's size is not propagated to it.
+        return True, size_gib * GIB if backend != "lmcache" else None
+    offload_series = ("load_bytes", "store_bytes", "stored_chunks")
+    return any(k in es.counters for k in offload_series), None
+
+
+def kv_bytes_per_token(
+    cache_config: Mapping[str, str] | None,
+    es: EngineSample,
+    totals: Mapping[str, float],
+    override: float | None,
+) -> tuple[float | None, str | None]:
+    """KV bytes per token, from the most exact source available, and which one it was."""
+    if override:
+        return override, "configured"
+    cc = cache_config or {}
+    block = _float(cc.get("block_size"))
+    oc = es.offload_config
+    if oc is not None:
+        size = _float(oc.get("cpu_kv_cache_size_bytes"))
+        chunks = _float(oc.get("cpu_num_chunks"))
+        per_chunk = _float(oc.get("cpu_blocks_per_chunk"))
+        if size and chunks and per_chunk and block:
+            return size / (chunks * per_chunk * block), "offload_config"
+    stored = totals.get("store_bytes")
+    chunks_stored = totals.get("stored_chunks")
+    if stored and chunks_stored and block:
+        # blocks_per_chunk is 1 unless configured, and then offload_config exists (0.33+).
+        return stored / (chunks_stored * block), "offload_transfers"
+    mem = _float(cc.get("kv_cache_memory_bytes"))
+    tokens = _float(cc.get("kv_cache_size_tokens"))
+    if mem and tokens and cc.get("num_gpu_blocks_override", "None") == "None":
+        # An upper bound: the pool is the requested memory rounded down to whole blocks.
+        return mem / tokens, "cache_config"
+    return None, None
+
+
+def prefill_fit(points: list[tuple[float, ...]], min_points: int) -> PrefillFit | None:
+    """Least squares of prefill seconds on (requests, computed tokens) per interval.
+
+    The average tokens/s of a window mixes a fixed per-request cost (scheduling,
+    sampling, kernel launches) with the per-token cost; only the per-token part is
+    what a reload saves, so break-even needs the slope, not the average.
+    """
+    pts = [(n, t, y) for n, t, y in points if n > 0 and t >= 0 and y >= 0]
+    if len(pts) < min_points:
+        return None
+    snn = sum(n * n for n, _, _ in pts)
+    snt = sum(n * t for n, t, _ in pts)
+    stt = sum(t * t for _, t, _ in pts)
+    sny = sum(n * y for n, _, y in pts)
+    sty = sum(t * y for _, t, y in pts)
+    syy = sum(y * y for _, _, y in pts)
+    if snn <= 0 or stt <= 0 or syy <= 0:
+        return None
+    det = snn * stt - snt * snt
+    # Requests and tokens moving in lockstep (every request the same size) leave the
+    # two costs inseparable; say so instead of returning a number.
+    if det <= 1e-3 * snn * stt:
+        return None
+    a = (stt * sny - snt * sty) / det
+    b = (snn * sty - snt * sny) / det
+    if a < 0:
+        a, b = 0.0, sty / stt
+    if b <= 0:
+        return None
+    ss_res = sum((y - a * n - b * t) ** 2 for n, t, y in pts)
+    return PrefillFit(a, b, len(pts), max(0.0, 1.0 - ss_res / syy))
+
+
+WINDOW_KEYS = (
+    "prompt_tokens",
+    "prompt_by_source:local_compute",
+    "prompt_by_source:local_cache_hit",
+    "prompt_by_source:external_kv_transfer",
+    "prefix_queries",
+    "prefix_hits",
+    "ext_queries",
+    "ext_hits",
+    "load_bytes",
+    "load_seconds",
+    "load_ops",
+    "store_bytes",
+    "store_seconds",
+    "store_ops",
+    "alloc_failures",
+    "stores_skipped",
+    "prefill_seconds",
+    "prefill_requests",
+    "computed_tokens",
+    "ttft_seconds",
+    "ttft_requests",
+    "preemptions",
+)
+
+
+def derive_engine(
+    win: TargetWindow, ek: EngineKey, now: float, settings: DeriveSettings
+) -> EngineDerived | None:
+    latest: TargetSample | None = win.latest
+    if latest is None or ek not in latest.engines:
+        return None
+    es = latest.engines[ek]
+    fresh = now - latest.ts <= settings.stale_after
+    cc = latest.cache_config.get(ek.engine)
+    enabled, buffer_bytes = offload_settings(cc, es)
+    totals = win.totals.get(ek, {})
+    bpt, bpt_method = kv_bytes_per_token(cc, es, totals, settings.kv_bytes_per_token)
+
+    def sums(*keys: str) -> tuple[float, ...] | None:
+        return win.sums(ek, keys) if fresh else None
+
+    window: dict[str, float] = {}
+    for key in WINDOW_KEYS:
+        s = win.sums(ek, (key,))
+        if s is not None:
+            window[key] = s[0]
+
+    load_bw = _rate(sums("load_bytes", "load_seconds"))
+    store_bw = _rate(sums("store_bytes", "store_seconds"))
+    fit = (
+        prefill_fit(
+            win.points(ek, ("prefill_requests", "computed_tokens", "prefill_seconds")),
+            settings.min_fit_points,
+        )
+        if fresh
+        else None
+    )
+    recompute = 1.0 / fit.seconds_per_token if fit is not None else None
+    average = _rate(sums("computed_tokens", "prefill_seconds"))
+
+    transfer: float | None = None
+    estimated = False
+    if bpt:
+        if load_bw is not None:
+            transfer = load_bw / bpt
+        elif settings.assumed_load_bandwidth:
+            transfer, estimated = settings.assumed_load_bandwidth / bpt, True
+        elif settings.link_bandwidth:
+            transfer = settings.link_bandwidth * settings.link_efficiency / bpt
+            estimated = True
+    speedup = transfer / recompute if transfer is not None and recompute else None
+
+    return EngineDerived(
+        key=ek,
+        fresh=fresh,
+        offload_enabled=enabled,
+        offload_buffer_bytes=buffer_bytes,
+        gpu_capacity_tokens=_float((cc or {}).get("kv_cache_size_tokens")),
+        block_size=int(b) if (b := _float((cc or {}).get("block_size"))) else None,
+        kv_usage=es.gauges.get("kv_usage") if fresh else None,
+        gpu_prefix_hit_ratio=_ratio(sums("prefix_hits", "prefix_queries")),
+        offload_hit_ratio=_ratio(sums("prompt_by_source:external_kv_transfer", "prompt_tokens"))
+        if enabled
+        else None,
+        offload_lookup_hit_ratio=_ratio(sums("ext_hits", "ext_queries")) if enabled else None,
+        load_bandwidth=load_bw,
+        store_bandwidth=store_bw,
+        reuse_ratio=_rate(sums("load_bytes", "store_bytes")) if enabled else None,
+        kv_bytes_per_token=bpt,
+        kv_bytes_per_token_method=bpt_method,
+        prefill_fit=fit,
+        recompute_tokens_per_second=recompute,
+        prefill_average_tokens_per_second=average,
+        transfer_tokens_per_second=transfer,
+        transfer_estimated=estimated,
+        transfer_speedup=speedup,
+        window=window,
+        totals=dict(totals),
+    )
+
+
+def derive_target(win: TargetWindow, now: float, settings: DeriveSettings) -> list[EngineDerived]:
+    out = []
+    for ek in win.engines():
+        d = derive_engine(win, ek, now, settings)
+        if d is not None:
+            out.append(d)
+    return out

@@ -1,0 +1,116 @@
+"""The collection loop: run every source on the interval, derive, render, swap the cache."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+from exporter.catalogue import Family
+from exporter.collector import Exposition, derived_families, render, self_families
+from exporter.config import Config
+from exporter.derive import DeriveSettings, EngineDerived, derive_target
+from exporter.logs import log_event
+from exporter.sources import Clock, Source, execute
+from exporter.sources.vllm_http import VllmTarget
+
+log = logging.getLogger("kvoe.runtime")
+
+
+def build_sources(cfg: Config, clock: Clock = time.time) -> list[Source]:
+    sources: list[Source] = [
+        VllmTarget(
+            t,
+            window_seconds=cfg.window,
+            timeout=cfg.effective_scrape_timeout,
+            max_body_bytes=cfg.max_body_bytes,
+            clock=clock,
+        )
+        for t in cfg.targets
+    ]
+    return sources
+
+
+class Exporter:
+    def __init__(self, cfg: Config, sources: Sequence[Source], clock: Clock = time.time) -> None:
+        self.cfg = cfg
+        self.sources = list(sources)
+        self.targets = [s for s in self.sources if isinstance(s, VllmTarget)]
+        self.clock = clock
+        self.derived: dict[str, list[EngineDerived]] = {}
+        self.exposition: Exposition = render(self_families(cfg.window, self.sources))
+        self.cycles = 0
+        self.last_cycle: float | None = None
+        self.started = False
+
+    async def start(self) -> None:
+        for src in self.sources:
+            try:
+                await src.start()
+            except Exception:  # a source that cannot start stays down; the rest serve
+                log.exception("source %s failed to start", src.name)
+        self.started = True
+
+    async def stop(self) -> None:
+        for src in self.sources:
+            try:
+                await src.stop()
+            except Exception:
+                log.exception("source %s failed to stop", src.name)
+
+    def settings_for(self, target: VllmTarget) -> DeriveSettings:
+        return DeriveSettings(
+            stale_after=2 * self.cfg.interval + self.cfg.effective_scrape_timeout,
+            kv_bytes_per_token=target.config.kv_bytes_per_token
+            or self.cfg.kv_bytes_per_token
+            or None,
+            assumed_load_bandwidth=float(self.cfg.assumed_load_bandwidth) or None,
+            link_bandwidth=self.link_bandwidth(),
+        )
+
+    def link_bandwidth(self) -> float | None:
+        """Slowest host link among the GPUs, bytes/s; None without a GPU collector."""
+        values = [
+            bw
+            for src in self.sources
+            if (fn := getattr(src, "link_bandwidth", None)) is not None and (bw := fn()) is not None
+        ]
+        return min(values) if values else None
+
+    async def run_cycle(self) -> None:
+        timeout = self.cfg.effective_scrape_timeout
+        await asyncio.gather(*(execute(src, timeout) for src in self.sources))
+        now = self.clock()
+        self.derived = {
+            t.config.label: derive_target(t.window, now, self.settings_for(t)) for t in self.targets
+        }
+        self.exposition = render(self.families())
+        self.cycles += 1
+        self.last_cycle = now
+
+    def families(self) -> list[Family]:
+        out = list(self_families(self.cfg.window, self.sources))
+        for src in self.sources:
+            out.extend(src.families())
+        out.extend(derived_families(self.derived.items()))
+        return out
+
+    async def run_forever(self) -> None:
+        interval = self.cfg.interval
+        next_at = time.monotonic()
+        while True:
+            try:
+                await self.run_cycle()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in one cycle must not end the exporter
+                log.exception("collection cycle failed")
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay < 0:
+                skipped = int(-delay // interval) + 1
+                log_event(log, logging.WARNING, "cycle_overrun", skipped_cycles=skipped)
+                next_at += skipped * interval
+                delay = next_at - time.monotonic()
+            await asyncio.sleep(delay)

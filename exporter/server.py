@@ -1,0 +1,230 @@
+"""HTTP serving: /metrics from the cached exposition, health, a status page and JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from exporter import __version__
+from exporter.derive import EngineDerived
+from exporter.logs import log_event
+from exporter.runtime import Exporter
+
+log = logging.getLogger("kvoe.server")
+
+EXPORTER_KEY = web.AppKey("exporter", Exporter)
+LOOP_KEY = web.AppKey("loop", asyncio.Task[None])
+
+TEXT_CT = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_CT = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+def _wants_openmetrics(accept: str) -> bool:
+    return "application/openmetrics-text" in accept
+
+
+async def metrics(request: web.Request) -> web.Response:
+    exp = request.app[EXPORTER_KEY].exposition
+    om = _wants_openmetrics(request.headers.get("Accept", ""))
+    gz = "gzip" in request.headers.get("Accept-Encoding", "")
+    body = (
+        (exp.openmetrics_gzip if gz else exp.openmetrics)
+        if om
+        else (exp.text_gzip if gz else exp.text)
+    )
+    headers = {"Content-Type": OPENMETRICS_CT if om else TEXT_CT}
+    if gz:
+        headers["Content-Encoding"] = "gzip"
+    return web.Response(body=body, headers=headers)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    task = request.app.get(LOOP_KEY)
+    if task is not None and task.done():
+        return web.Response(status=503, text="collection loop stopped\n")
+    return web.Response(text="ok\n")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    exp = request.app[EXPORTER_KEY]
+    if exp.started and exp.cycles > 0:
+        return web.Response(text="ready\n")
+    return web.Response(status=503, text="not ready: no collection cycle has completed\n")
+
+
+def _derived_json(d: EngineDerived) -> dict[str, Any]:
+    fit = d.prefill_fit
+    return {
+        "model_name": d.key.model_name,
+        "engine": d.key.engine,
+        "fresh": d.fresh,
+        "offload_enabled": d.offload_enabled,
+        "offload_buffer_bytes": d.offload_buffer_bytes,
+        "kv_cache_usage_ratio": d.kv_usage,
+        "gpu_prefix_hit_ratio": d.gpu_prefix_hit_ratio,
+        "offload_hit_ratio": d.offload_hit_ratio,
+        "offload_lookup_hit_ratio": d.offload_lookup_hit_ratio,
+        "offload_reuse_ratio": d.reuse_ratio,
+        "load_bandwidth_bytes_per_second": d.load_bandwidth,
+        "kv_bytes_per_token": d.kv_bytes_per_token,
+        "kv_bytes_per_token_method": d.kv_bytes_per_token_method,
+        "recompute_tokens_per_second": d.recompute_tokens_per_second,
+        "prefill_request_overhead_seconds": fit.overhead_seconds if fit else None,
+        "prefill_fit_points": fit.points if fit else 0,
+        "prefill_average_tokens_per_second": d.prefill_average_tokens_per_second,
+        "transfer_tokens_per_second": d.transfer_tokens_per_second,
+        "transfer_rate_estimated": d.transfer_estimated,
+        "transfer_speedup_ratio": d.transfer_speedup,
+        "window": dict(d.window),
+        "totals": dict(d.totals),
+    }
+
+
+def status_json(exp: Exporter) -> dict[str, Any]:
+    targets = []
+    for t in exp.targets:
+        h = t.health
+        targets.append(
+            {
+                "target": t.config.label,
+                "url": t.config.url,
+                "up": h.up,
+                "vllm_version": t.version,
+                "last_success": h.last_success,
+                "error_kind": str(h.error_kind) if h.error_kind else None,
+                "error": h.error,
+                "window_covered_seconds": t.window.covered_seconds(),
+                "engines": [_derived_json(d) for d in exp.derived.get(t.config.label, [])],
+            }
+        )
+    collectors = [
+        {
+            "collector": s.name,
+            "up": s.health.up,
+            "error_kind": str(s.health.error_kind) if s.health.error_kind else None,
+            "error": s.health.error,
+        }
+        for s in exp.sources
+        if s not in exp.targets
+    ]
+    return {
+        "version": __version__,
+        "window_seconds": exp.cfg.window,
+        "interval_seconds": exp.cfg.interval,
+        "cycles": exp.cycles,
+        "last_cycle": exp.last_cycle,
+        "targets": targets,
+        "collectors": collectors,
+    }
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(status_json(request.app[EXPORTER_KEY]))
+
+
+def _fmt(value: float | None, kind: str = "ratio") -> str:
+    if value is None:
+        return "&mdash;"
+    if kind == "ratio":
+        return f"{value:.3f}"
+    if kind == "bytes":
+        return f"{value / (1 << 30):.2f} GiB"
+    return f"{value:,.0f}"
+
+
+async def index(request: web.Request) -> web.Response:
+    exp = request.app[EXPORTER_KEY]
+    rows = []
+    for t in exp.targets:
+        h = t.health
+        state = (
+            "up"
+            if h.up
+            else f"down ({html.escape(str(h.error_kind))}: {html.escape(h.error or '')})"
+        )
+        rows.append(
+            f"<h2>{html.escape(t.config.label)}</h2><p>{html.escape(t.config.url)}"
+            f" &mdash; {state}; vLLM {html.escape(t.version or 'unknown')}</p>"
+        )
+        rows.append(
+            "<table><tr><th>model</th><th>engine</th><th>offload</th>"
+            "<th>KV usage</th><th>GPU prefix hit</th><th>offload hit</th>"
+            "<th>reuse</th><th>recompute tok/s</th><th>transfer tok/s</th>"
+            "<th>speedup</th></tr>"
+        )
+        for d in exp.derived.get(t.config.label, []):
+            offload = "on, " + _fmt(d.offload_buffer_bytes, "bytes") if d.offload_enabled else "off"
+            rows.append(
+                f"<tr><td>{html.escape(d.key.model_name)}</td><td>{html.escape(d.key.engine)}</td>"
+                f"<td>{offload}</td><td>{_fmt(d.kv_usage)}</td><td>{_fmt(d.gpu_prefix_hit_ratio)}</td>"
+                f"<td>{_fmt(d.offload_hit_ratio)}</td><td>{_fmt(d.reuse_ratio)}</td>"
+                f"<td>{_fmt(d.recompute_tokens_per_second, 'n')}</td>"
+                f"<td>{_fmt(d.transfer_tokens_per_second, 'n')}</td>"
+                f"<td>{_fmt(d.transfer_speedup)}</td></tr>"
+            )
+        rows.append("</table>")
+    cols = "".join(
+        f"<li>{html.escape(s.name)}: {'up' if s.health.up else 'down'}"
+        f"{' &mdash; ' + html.escape(s.health.error or '') if s.health.error else ''}</li>"
+        for s in exp.sources
+        if s not in exp.targets
+    )
+    body = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>kv-offload-exporter</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em .6em;"
+        "border-bottom:1px solid #ddd;text-align:right}</style></head><body>"
+        f"<h1>kv-offload-exporter {html.escape(__version__)}</h1>"
+        "<p><a href='/metrics'>/metrics</a> &middot; <a href='/api/v1/status'>status JSON</a>"
+        " &middot; <a href='/healthz'>/healthz</a> &middot; <a href='/readyz'>/readyz</a></p>"
+        f"<p>window {exp.cfg.window:g} s, interval {exp.cfg.interval:g} s, "
+        f"{exp.cycles} cycles</p>"
+        + "".join(rows)
+        + (f"<h2>Collectors</h2><ul>{cols}</ul>" if cols else "")
+        + "</body></html>"
+    )
+    return web.Response(text=body, content_type="text/html")
+
+
+def make_app(exporter: Exporter, *, run_loop: bool = True) -> web.Application:
+    # Requests are small GETs; cap what a client may send (no endpoint takes a body).
+    app = web.Application(client_max_size=64 * 1024)
+    app[EXPORTER_KEY] = exporter
+    app.router.add_get("/", index)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/api/v1/status", status)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await exporter.start()
+        if run_loop:
+            app[LOOP_KEY] = asyncio.create_task(exporter.run_forever(), name="collect")
+        yield
+        task = app.get(LOOP_KEY)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await exporter.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+async def serve(exporter: Exporter, host: str, port: int) -> None:
+    app = make_app(exporter)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log_event(log, logging.INFO, "listening", address=f"{host}:{port}")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,210 @@
+"""vLLM target source: scrape one vLLM API server's /metrics into its sliding window."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from exporter import expfmt
+from exporter.catalogue import Family
+from exporter.logs import log_event
+from exporter.sources import Clock, CollectError, ErrorKind, Health
+from exporter.vllm_metrics import WANTED, normalise
+from exporter.window import TargetWindow
+
+log = logging.getLogger("kvoe.vllm")
+
+TARGET_FAILURE_REASONS = (
+    ErrorKind.TIMEOUT,
+    ErrorKind.CONNECT,
+    ErrorKind.HTTP_STATUS,
+    ErrorKind.PARSE,
+    ErrorKind.TOO_LARGE,
+    ErrorKind.INVALID_VALUE,
+    ErrorKind.INTERNAL,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetConfig:
+    url: str
+    name: str = ""
+    pid: int | None = None
+    kv_bytes_per_token: float | None = None
+
+    @property
+    def label(self) -> str:
+        """The `target` label: the configured name, else host:port like Prometheus' instance."""
+        if self.name:
+            return self.name
+        parts = urlsplit(self.url)
+        return parts.netloc or self.url
+
+    @property
+    def metrics_url(self) -> str:
+        parts = urlsplit(self.url)
+        if parts.path and parts.path not in ("", "/"):
+            return self.url
+        return self.url.rstrip("/") + "/metrics"
+
+    @property
+    def base_url(self) -> str:
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+
+class VllmTarget:
+    """Scrapes one target; the window it fills is what derivations read."""
+
+    def __init__(
+        self,
+        config: TargetConfig,
+        *,
+        window_seconds: float,
+        timeout: float,
+        max_body_bytes: int,
+        clock: Clock = time.time,
+    ) -> None:
+        self.config = config
+        self.name = f"vllm:{config.label}"
+        self.health = Health(self.name, clock)
+        self.window = TargetWindow(window_seconds)
+        self.timeout = timeout
+        self.max_body_bytes = max_body_bytes
+        self.version: str | None = None
+        self.invalid_series: tuple[str, ...] = ()
+        self._clock = clock
+        self._session: aiohttp.ClientSession | None = None
+        self._want_version = True
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+            connector=aiohttp.TCPConnector(limit=2),
+            headers={"User-Agent": "kv-offload-exporter"},
+        )
+        self.health.started = True
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _fetch(self, url: str, limit: int) -> bytes:
+        assert self._session is not None, "start() first"
+        try:
+            async with self._session.get(url) as resp:
+                if resp.status != 200:
+                    raise CollectError(ErrorKind.HTTP_STATUS, f"GET {url}: HTTP {resp.status}")
+                if resp.content_length is not None and resp.content_length > limit:
+                    raise CollectError(
+                        ErrorKind.TOO_LARGE,
+                        f"GET {url}: body of {resp.content_length} bytes exceeds {limit}",
+                    )
+                buf = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    buf += chunk
+                    if len(buf) > limit:
+                        raise CollectError(
+                            ErrorKind.TOO_LARGE, f"GET {url}: body exceeds {limit} bytes"
+                        )
+                return bytes(buf)
+        except TimeoutError:
+            raise CollectError(
+                ErrorKind.TIMEOUT, f"GET {url}: no answer in {self.timeout:g}s"
+            ) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise CollectError(ErrorKind.CONNECT, f"GET {url}: {exc.strerror or exc}") from None
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            raise CollectError(ErrorKind.CONNECT, f"GET {url}: truncated: {exc}") from None
+        except aiohttp.ClientError as exc:
+            raise CollectError(ErrorKind.CONNECT, f"GET {url}: {exc}") from None
+
+    async def collect(self) -> None:
+        body = await self._fetch(self.config.metrics_url, self.max_body_bytes)
+        try:
+            text = body.decode("utf-8")
+            samples = expfmt.parse(text, WANTED)
+        except UnicodeDecodeError as exc:
+            raise CollectError(ErrorKind.PARSE, f"body is not UTF-8: {exc}") from None
+        except expfmt.ExpositionError as exc:
+            raise CollectError(ErrorKind.PARSE, str(exc)) from None
+        sample = normalise(samples, self._clock())
+        if not sample.engines:
+            raise CollectError(
+                ErrorKind.PARSE,
+                "no vllm:* series with model_name and engine labels: not a vLLM /metrics "
+                "endpoint, or vLLM runs with --disable-log-stats",
+            )
+        if sample.invalid != self.invalid_series:
+            if sample.invalid:
+                log_event(
+                    log,
+                    logging.WARNING,
+                    "invalid_series_dropped",
+                    target=self.config.label,
+                    series=list(sample.invalid),
+                )
+            self.invalid_series = sample.invalid
+        if sample.invalid:
+            self.health.count(ErrorKind.INVALID_VALUE)
+        resets = self.window.add(sample)
+        if resets:
+            self.health.count(ErrorKind.COUNTER_RESET)
+            self._want_version = True
+            log_event(
+                log,
+                logging.WARNING,
+                "counter_reset",
+                target=self.config.label,
+                engines=[f"{e.model_name}/{e.engine}" for e in resets],
+            )
+        if self._want_version:
+            self._want_version = False
+            await self._fetch_version()
+
+    async def _fetch_version(self) -> None:
+        # Best effort: an old vLLM or a proxy may not serve /version.
+        try:
+            body = await asyncio.wait_for(
+                self._fetch(self.config.base_url + "/version", 1 << 14), self.timeout
+            )
+            version = json.loads(body).get("version")
+            self.version = str(version) if version else None
+        except (CollectError, TimeoutError, ValueError, AttributeError):
+            self.version = None
+
+    def families(self) -> Iterable[Family]:
+        label = self.config.label
+        h = self.health
+        up = Family("kvoffload_target_up")
+        up.add([label], 1.0 if h.up else 0.0)
+        yield up
+        if h.duration is not None:
+            dur = Family("kvoffload_target_scrape_duration_seconds")
+            dur.add([label], h.duration)
+            yield dur
+        failures = Family("kvoffload_target_scrape_failures_total")
+        for kind in TARGET_FAILURE_REASONS:
+            failures.add([label, str(kind)], h.errors_total.get(kind, 0))
+        yield failures
+        if h.last_success is not None:
+            last = Family("kvoffload_target_last_success_timestamp_seconds")
+            last.add([label], h.last_success)
+            yield last
+        resets = Family("kvoffload_target_resets_total")
+        resets.add([label], h.errors_total.get(ErrorKind.COUNTER_RESET, 0))
+        yield resets
+        covered = Family("kvoffload_target_window_covered_seconds")
+        covered.add([label], self.window.covered_seconds())
+        yield covered
+        info = Family("kvoffload_target_info")
+        info.add([label, self.config.url, self.version or "unknown"], 1.0)
+        yield info

@@ -1,0 +1,74 @@
+"""Process helpers: free ports, waiting for HTTP readiness, stopping process groups."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_http(
+    url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None
+) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
+            raise RuntimeError(
+                f"process exited with {proc.returncode} before {url} was ready\n{tail}"
+            )
+        try:
+            status, _ = http_get(url, timeout=2.0)
+            if status == 200:
+                return
+            last = f"HTTP {status}"
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.5)
+    tail = log.read_text(errors="replace")[-4000:] if log and log.exists() else ""
+    raise TimeoutError(f"{url} not ready after {timeout:.0f}s ({last})\n{tail}")
+
+
+def start(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fh = log.open("wb")
+    return subprocess.Popen(
+        cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+    )
+
+
+def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 20.0) -> None:
+    """SIGTERM the whole process group (vLLM forks an engine core), then SIGKILL."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
