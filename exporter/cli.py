@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from exporter import __version__
@@ -20,7 +21,7 @@ from exporter.logs import log_event, setup_logging
 
 log = logging.getLogger("kvoe.cli")
 
-SUBCOMMANDS = ("serve",)
+SUBCOMMANDS = ("serve", "advise")
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -84,6 +85,55 @@ def cmd_serve(argv: Sequence[str]) -> int:
     return asyncio.run(_serve_async(args))
 
 
+def cmd_advise(argv: Sequence[str]) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    parser = argparse.ArgumentParser(
+        prog="kv-offload-exporter advise",
+        description="Print the running exporter's advice (its /advice endpoint) in a terminal.",
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:9747", help="exporter base URL")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON")
+    parser.add_argument("--timeout", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    url = args.url.rstrip("/") + "/advice"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as resp:
+            doc = json.loads(resp.read())
+    except (OSError, ValueError) as exc:
+        print(f"kv-offload-exporter advise: cannot read {url}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    items = doc.get("advice", [])
+    if not items:
+        print("no advice yet: the exporter has not completed a collection cycle with data")
+        return 0
+    for item in items:
+        print(f"{item['target']}  {item['model_name']}  engine {item['engine']}")
+        line = f"  action: {item['action']}  ({item['reason']})"
+        if item.get("recommended_buffer_bytes") is not None:
+            line += (
+                f"  recommended --kv-offloading-size {item['recommended_buffer_bytes'] / 2**30:g}"
+            )
+        if item.get("pending_action"):
+            line += f"  [pending: {item['pending_action']}]"
+        print(line)
+        print(
+            textwrap.fill(
+                item["explanation"], width=96, initial_indent="  ", subsequent_indent="  "
+            )
+        )
+        shown = {k: v for k, v in item["numbers"].items() if v is not None}
+        for key, value in shown.items():
+            print(f"    {key:44s} {value:,.6g}")
+        print()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
@@ -92,4 +142,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         command, rest = "serve", argv
     if command == "serve":
         return cmd_serve(rest)
+    if command == "advise":
+        return cmd_advise(rest)
     raise AssertionError(command)

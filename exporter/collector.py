@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gzip
 import platform
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -16,10 +16,12 @@ from prometheus_client.core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from exporter import __version__
+from exporter.advisor import Action, Advice
 from exporter.catalogue import Family, build_families
 from exporter.derive import EngineDerived
 from exporter.sources import ErrorKind, Source
 from exporter.sources.vllm_http import VllmTarget
+from exporter.vllm_metrics import EngineKey
 
 COLLECTOR_ERROR_KINDS = tuple(ErrorKind)
 
@@ -86,7 +88,10 @@ _DERIVED_COUNTERS: tuple[tuple[str, str], ...] = (
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
-def derived_families(per_target: Iterable[tuple[str, Sequence[EngineDerived]]]) -> list[Family]:
+def derived_families(
+    per_target: Iterable[tuple[str, Sequence[EngineDerived]]],
+    covered: Mapping[str, float] | None = None,
+) -> list[Family]:
     enabled = Family("kvoffload_offload_enabled")
     gauges = {name: Family(name) for name, _ in _DERIVED_GAUGES}
     counters = {name: Family(name) for name, _ in _DERIVED_COUNTERS}
@@ -94,7 +99,10 @@ def derived_families(per_target: Iterable[tuple[str, Sequence[EngineDerived]]]) 
     estimated = Family("kvoffload_transfer_rate_estimated")
     overhead = Family("kvoffload_prefill_request_overhead_seconds")
     fit_points = Family("kvoffload_prefill_fit_points")
+    saving = Family("kvoffload_offload_saving_seconds_per_token")
+    saved_rate = Family("kvoffload_offload_ttft_saved_seconds_per_second")
     for target, engines in per_target:
+        span = (covered or {}).get(target, 0.0)
         for d in engines:
             labels = [target, d.key.model_name, d.key.engine]
             enabled.add(labels, 1.0 if d.offload_enabled else 0.0)
@@ -114,7 +122,40 @@ def derived_families(per_target: Iterable[tuple[str, Sequence[EngineDerived]]]) 
             if d.prefill_fit is not None:
                 overhead.add(labels, d.prefill_fit.overhead_seconds)
             fit_points.add(labels, d.prefill_fit.points if d.prefill_fit else 0)
-    return [enabled, *gauges.values(), *counters.values(), prompt, estimated, overhead, fit_points]
+            if d.offload_fit is not None:
+                per_token = d.offload_fit.saving_seconds_per_token
+                saving.add(labels, per_token)
+                loaded = d.window.get("prompt_by_source:external_kv_transfer")
+                if loaded is not None and span > 0:
+                    saved_rate.add(labels, per_token * loaded / span)
+    return [
+        enabled,
+        *gauges.values(),
+        *counters.values(),
+        prompt,
+        estimated,
+        overhead,
+        fit_points,
+        saving,
+        saved_rate,
+    ]
+
+
+def advice_families(
+    per_target: Iterable[tuple[str, Sequence[tuple[EngineKey, Advice]]]],
+) -> list[Family]:
+    state = Family("kvoffload_advice")
+    recommended = Family("kvoffload_advice_recommended_buffer_bytes")
+    info = Family("kvoffload_advice_info")
+    for target, items in per_target:
+        for key, advice in items:
+            labels = [target, key.model_name, key.engine]
+            for action in Action:
+                state.add([*labels, str(action)], 1.0 if action == advice.action else 0.0)
+            if advice.recommended_buffer_bytes is not None:
+                recommended.add(labels, advice.recommended_buffer_bytes)
+            info.add([*labels, str(advice.action), advice.reason], 1.0)
+    return [state, recommended, info]
 
 
 class _Snapshot:

@@ -11,7 +11,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from exporter.sources.vllm_http import TargetConfig
+from exporter.thresholds import DEFAULT as DEFAULT_THRESHOLDS
+from exporter.thresholds import Thresholds
 
 DEFAULT_PORT = 9747
 
@@ -143,6 +145,22 @@ OPTIONS: tuple[Option, ...] = (
         "for engines without offload (0: estimate from the PCIe link)",
         "SIZE",
     ),
+    Option(
+        "advice-confirm-cycles",
+        "int",
+        3,
+        "evaluations a new advice must win in a row "
+        "before it replaces the current one (hysteresis)",
+        "N",
+    ),
+    Option(
+        "threshold",
+        "list",
+        [],
+        "override an advisor/alert threshold, NAME=VALUE "
+        "(repeatable; YAML: a thresholds: mapping); names in docs/advisor.md",
+        "NAME=VALUE",
+    ),
     Option("log-format", "str", "text", "log line format", choices=("text", "json")),
     Option("log-level", "str", "info", "log level", choices=("debug", "info", "warning", "error")),
 )
@@ -159,6 +177,8 @@ class Config:
     max_body_bytes: int = 16 << 20
     kv_bytes_per_token: float = 0.0
     assumed_load_bandwidth: int = 0
+    advice_confirm_cycles: int = 3
+    thresholds: Thresholds = DEFAULT_THRESHOLDS
     log_format: str = "text"
     log_level: str = "info"
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -269,6 +289,37 @@ def _targets_from(values: dict[str, Any], problems: list[str]) -> tuple[TargetCo
     return tuple(out)
 
 
+def _thresholds_from(mapping: Any, pairs: list[str] | None, problems: list[str]) -> Thresholds:
+    overrides: dict[str, Any] = {}
+    if mapping is not None:
+        if isinstance(mapping, dict):
+            overrides.update({str(k): v for k, v in mapping.items()})
+        else:
+            problems.append("thresholds: expected a mapping of name: value")
+    for item in pairs or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            problems.append(f"--threshold {item!r}: expected NAME=VALUE")
+            continue
+        overrides[name.strip()] = value.strip()
+    known = set(Thresholds.__dataclass_fields__)
+    clean: dict[str, float] = {}
+    for name, value in overrides.items():
+        if name not in known:
+            problems.append(f"threshold {name!r}: unknown (known: {', '.join(sorted(known))})")
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            problems.append(f"threshold {name}: {value!r} is not a number")
+            continue
+        if not math.isfinite(number) or number < 0:
+            problems.append(f"threshold {name}: must be a finite non-negative number")
+            continue
+        clean[name] = number
+    return replace(DEFAULT_THRESHOLDS, **clean)
+
+
 def load_config(
     args: argparse.Namespace | None = None,
     environ: Mapping[str, str] | None = None,
@@ -291,7 +342,7 @@ def load_config(
             raise ConfigError([f"--config {path}: expected a mapping at the top level"])
         file_values = {str(k).replace("-", "_").replace(".", "_"): v for k, v in loaded.items()}
         for key, raw in file_values.items():
-            if key == "targets":
+            if key in ("targets", "thresholds"):
                 continue
             opt = OPTION_BY_KEY.get(key)
             if opt is None:
@@ -313,15 +364,17 @@ def load_config(
 
     values["targets"] = file_values.get("targets")
     targets = _targets_from(values, problems)
+    thresholds = _thresholds_from(file_values.get("thresholds"), values.get("threshold"), problems)
     if require_targets and not targets:
         problems.append(
             "no vLLM target: give --vllm-url URL (or KVOE_VLLM_URLS, or targets: in --config)"
         )
 
     known = {f.name for f in fields(Config)}
-    kwargs = {k: v for k, v in values.items() if k in known and k != "targets" and v is not None}
-    extra = {k: v for k, v in values.items() if k not in known and k not in ("vllm_url", "targets")}
-    cfg = Config(targets=targets, extra=extra, **kwargs)
+    skip = ("targets", "thresholds", "threshold", "vllm_url")
+    kwargs = {k: v for k, v in values.items() if k in known and k not in skip and v is not None}
+    extra = {k: v for k, v in values.items() if k not in known and k not in skip}
+    cfg = Config(targets=targets, thresholds=thresholds, extra=extra, **kwargs)
 
     if cfg.interval <= 0:
         problems.append("--interval must be positive")
@@ -331,6 +384,8 @@ def load_config(
         problems.append("--scrape-timeout must not be negative")
     if cfg.max_body_bytes < 1024:
         problems.append("--max-body-bytes must be at least 1KiB")
+    if cfg.advice_confirm_cycles < 1:
+        problems.append("--advice-confirm-cycles must be at least 1")
     if cfg.kv_bytes_per_token < 0:
         problems.append("--kv-bytes-per-token must not be negative")
     try:

@@ -55,7 +55,9 @@ class EngineDerived:
     kv_bytes_per_token: float | None
     kv_bytes_per_token_method: str | None
     prefill_fit: PrefillFit | None
+    offload_fit: OffloadFit | None
     recompute_tokens_per_second: float | None
+    recompute_negligible: bool
     prefill_average_tokens_per_second: float | None
     transfer_tokens_per_second: float | None
     transfer_estimated: bool
@@ -139,6 +141,76 @@ def kv_bytes_per_token(
     return None, None
 
 
+def _lstsq(columns: list[list[float]], y: list[float], min_det: float) -> list[float] | None:
+    """Least squares without intercept; None when the columns are (nearly) collinear.
+
+    Columns are scaled to unit norm first, so `min_det` bounds the determinant of a
+    correlation-like Gram matrix: 1 for orthogonal regressors, 0 for collinear ones.
+    """
+    k = len(columns)
+    norms = [math.sqrt(sum(v * v for v in col)) for col in columns]
+    if any(n <= 0 for n in norms):
+        return None
+    cols = [[v / n for v in col] for col, n in zip(columns, norms, strict=True)]
+    gram = [[sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols] for ci in cols]
+    rhs = [sum(a * b for a, b in zip(ci, y, strict=True)) for ci in cols]
+    m = [[*row, r] for row, r in zip(gram, rhs, strict=True)]
+    det = 1.0
+    for i in range(k):
+        pivot = max(range(i, k), key=lambda r: abs(m[r][i]))
+        if abs(m[pivot][i]) < 1e-12:
+            return None
+        if pivot != i:
+            m[i], m[pivot] = m[pivot], m[i]
+            det = -det
+        det *= m[i][i]
+        for r in range(i + 1, k):
+            f = m[r][i] / m[i][i]
+            for c in range(i, k + 1):
+                m[r][c] -= f * m[i][c]
+    if abs(det) < min_det:
+        return None
+    coef = [0.0] * k
+    for i in reversed(range(k)):
+        coef[i] = (m[i][k] - sum(m[i][c] * coef[c] for c in range(i + 1, k))) / m[i][i]
+    return [c / n for c, n in zip(coef, norms, strict=True)]
+
+
+def _robust_lstsq(
+    columns: list[list[float]], y: list[float], min_det: float
+) -> tuple[list[float], list[list[float]], list[float]] | None:
+    """Least squares, then once more without outliers (beyond 4 robust sigmas).
+
+    A scrape interval that caught a warm-up request or a compile stall would otherwise
+    drag the whole fit; the median absolute deviation is not moved by a few of them.
+    """
+    coef = _lstsq(columns, y, min_det)
+    if coef is None:
+        return None
+    res = [
+        yi - sum(c * col[i] for c, col in zip(coef, columns, strict=True)) for i, yi in enumerate(y)
+    ]
+    mad = sorted(abs(r) for r in res)[len(res) // 2] * 1.4826
+    if mad <= 0:
+        return coef, columns, y
+    keep = [i for i, r in enumerate(res) if abs(r) <= 4 * mad]
+    if len(keep) == len(y) or len(keep) < len(columns) + 2:
+        return coef, columns, y
+    cols2 = [[col[i] for i in keep] for col in columns]
+    y2 = [y[i] for i in keep]
+    coef2 = _lstsq(cols2, y2, min_det)
+    return (coef2, cols2, y2) if coef2 is not None else (coef, columns, y)
+
+
+def _r2(columns: list[list[float]], y: list[float], coef: list[float]) -> float:
+    syy = sum(v * v for v in y)
+    res = sum(
+        (yi - sum(c * col[i] for c, col in zip(coef, columns, strict=True))) ** 2
+        for i, yi in enumerate(y)
+    )
+    return max(0.0, 1.0 - res / syy) if syy > 0 else 0.0
+
+
 def prefill_fit(points: list[tuple[float, ...]], min_points: int) -> PrefillFit | None:
     """Least squares of prefill seconds on (requests, computed tokens) per interval.
 
@@ -149,27 +221,56 @@ def prefill_fit(points: list[tuple[float, ...]], min_points: int) -> PrefillFit 
     pts = [(n, t, y) for n, t, y in points if n > 0 and t >= 0 and y >= 0]
     if len(pts) < min_points:
         return None
-    snn = sum(n * n for n, _, _ in pts)
-    snt = sum(n * t for n, t, _ in pts)
-    stt = sum(t * t for _, t, _ in pts)
-    sny = sum(n * y for n, _, y in pts)
-    sty = sum(t * y for _, t, y in pts)
-    syy = sum(y * y for _, _, y in pts)
-    if snn <= 0 or stt <= 0 or syy <= 0:
-        return None
-    det = snn * stt - snt * snt
+    n = [p[0] for p in pts]
+    t = [p[1] for p in pts]
+    y = [p[2] for p in pts]
     # Requests and tokens moving in lockstep (every request the same size) leave the
     # two costs inseparable; say so instead of returning a number.
-    if det <= 1e-3 * snn * stt:
+    fitted = _robust_lstsq([n, t], y, 1e-3)
+    if fitted is None:
         return None
-    a = (stt * sny - snt * sty) / det
-    b = (snn * sty - snt * sny) / det
+    (a, b), cols, yy = fitted
     if a < 0:
-        a, b = 0.0, sty / stt
-    if b <= 0:
+        tt = cols[1]
+        stt = sum(v * v for v in tt)
+        if stt <= 0:
+            return None
+        a, b = 0.0, sum(ti * yi for ti, yi in zip(tt, yy, strict=True)) / stt
+    # b <= 0 is kept: the per-token cost is below the noise, which is itself the finding
+    # (recompute is effectively free at the margin, so no reload can beat it).
+    return PrefillFit(a, b, len(yy), _r2(cols, yy, [a, b]))
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadFit:
+    """ttft = overhead * requests + computed_cost * computed + loaded_cost * loaded tokens.
+
+    vLLM's load-time counter is GPU copy time only; what a reload really costs a request
+    (waiting a scheduler step for the async load, lookups, the copy) shows in TTFT. The
+    difference of the two per-token costs is what offload saves per loaded token.
+    """
+
+    overhead_seconds: float
+    computed_seconds_per_token: float
+    loaded_seconds_per_token: float
+    points: int
+    r2: float
+
+    @property
+    def saving_seconds_per_token(self) -> float:
+        return self.computed_seconds_per_token - self.loaded_seconds_per_token
+
+
+def offload_fit(points: list[tuple[float, ...]], min_points: int) -> OffloadFit | None:
+    """Fit TTFT per interval on (requests, computed tokens, loaded tokens)."""
+    pts = [p for p in points if p[0] > 0 and min(p) >= 0]
+    if len(pts) < min_points or not any(p[2] > 0 for p in pts):
         return None
-    ss_res = sum((y - a * n - b * t) ** 2 for n, t, y in pts)
-    return PrefillFit(a, b, len(pts), max(0.0, 1.0 - ss_res / syy))
+    fitted = _robust_lstsq([[p[i] for p in pts] for i in range(3)], [p[3] for p in pts], 1e-4)
+    if fitted is None:
+        return None
+    coef, cols, y = fitted
+    return OffloadFit(coef[0], coef[1], coef[2], len(y), _r2(cols, y, coef))
 
 
 WINDOW_KEYS = (
@@ -230,7 +331,24 @@ def derive_engine(
         if fresh
         else None
     )
-    recompute = 1.0 / fit.seconds_per_token if fit is not None else None
+    recompute = 1.0 / fit.seconds_per_token if fit and fit.seconds_per_token > 0 else None
+    negligible = fit is not None and fit.seconds_per_token <= 0
+    ofit = (
+        offload_fit(
+            win.points(
+                ek,
+                (
+                    "ttft_requests",
+                    "prompt_by_source:local_compute",
+                    "prompt_by_source:external_kv_transfer",
+                    "ttft_seconds",
+                ),
+            ),
+            settings.min_fit_points + 2,
+        )
+        if fresh and enabled
+        else None
+    )
     average = _rate(sums("computed_tokens", "prefill_seconds"))
 
     transfer: float | None = None
@@ -243,7 +361,11 @@ def derive_engine(
         elif settings.link_bandwidth:
             transfer = settings.link_bandwidth * settings.link_efficiency / bpt
             estimated = True
-    speedup = transfer / recompute if transfer is not None and recompute else None
+    speedup: float | None = None
+    if transfer is not None and recompute:
+        speedup = transfer / recompute
+    elif transfer is not None and negligible:
+        speedup = 0.0  # recompute costs nothing measurable per token: no reload can win
 
     return EngineDerived(
         key=ek,
@@ -264,7 +386,9 @@ def derive_engine(
         kv_bytes_per_token=bpt,
         kv_bytes_per_token_method=bpt_method,
         prefill_fit=fit,
+        offload_fit=ofit,
         recompute_tokens_per_second=recompute,
+        recompute_negligible=negligible,
         prefill_average_tokens_per_second=average,
         transfer_tokens_per_second=transfer,
         transfer_estimated=estimated,

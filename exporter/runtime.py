@@ -7,13 +7,21 @@ import logging
 import time
 from collections.abc import Sequence
 
+from exporter.advisor import Advice, Advisor, AdvisorInput, MemoryState, WhatIfState
 from exporter.catalogue import Family
-from exporter.collector import Exposition, derived_families, render, self_families
+from exporter.collector import (
+    Exposition,
+    advice_families,
+    derived_families,
+    render,
+    self_families,
+)
 from exporter.config import Config
 from exporter.derive import DeriveSettings, EngineDerived, derive_target
 from exporter.logs import log_event
 from exporter.sources import Clock, Source, execute
 from exporter.sources.vllm_http import VllmTarget
+from exporter.vllm_metrics import EngineKey
 
 log = logging.getLogger("kvoe.runtime")
 
@@ -39,6 +47,8 @@ class Exporter:
         self.targets = [s for s in self.sources if isinstance(s, VllmTarget)]
         self.clock = clock
         self.derived: dict[str, list[EngineDerived]] = {}
+        self.advisor = Advisor(cfg.thresholds, confirm=cfg.advice_confirm_cycles)
+        self.advice: dict[str, list[tuple[EngineKey, Advice]]] = {}
         self.exposition: Exposition = render(self_families(cfg.window, self.sources))
         self.cycles = 0
         self.last_cycle: float | None = None
@@ -85,16 +95,50 @@ class Exporter:
         self.derived = {
             t.config.label: derive_target(t.window, now, self.settings_for(t)) for t in self.targets
         }
+        self.advise()
         self.exposition = render(self.families())
         self.cycles += 1
         self.last_cycle = now
+
+    def _hook(self, name: str, *args: object) -> object | None:
+        """First non-None answer of a source hook (duck-typed: not every source has it)."""
+        for src in self.sources:
+            fn = getattr(src, name, None)
+            if fn is not None and (value := fn(*args)) is not None:
+                return value  # type: ignore[no-any-return]
+        return None
+
+    def advise(self) -> None:
+        pcie = self._hook("pcie_utilization")
+        present: set[tuple[str, EngineKey]] = set()
+        out: dict[str, list[tuple[EngineKey, Advice]]] = {}
+        for t in self.targets:
+            label = t.config.label
+            memory = self._hook("memory_state", label)
+            for d in self.derived.get(label, []):
+                whatif = self._hook("whatif_state", label, d.key, d)
+                inp = AdvisorInput(
+                    derived=d,
+                    covered_seconds=t.window.covered_seconds(),
+                    whatif=whatif if isinstance(whatif, WhatIfState) else None,
+                    memory=memory if isinstance(memory, MemoryState) else None,
+                    pcie_utilization=pcie if isinstance(pcie, float) else None,
+                )
+                out.setdefault(label, []).append((d.key, self.advisor.update(label, inp)))
+                present.add((label, d.key))
+        self.advisor.forget_missing(present)
+        self.advice = out
 
     def families(self) -> list[Family]:
         out = list(self_families(self.cfg.window, self.sources))
         for src in self.sources:
             out.extend(src.families())
-        out.extend(derived_families(self.derived.items()))
+        out.extend(derived_families(self.derived.items(), self.covered_seconds()))
+        out.extend(advice_families(self.advice.items()))
         return out
+
+    def covered_seconds(self) -> dict[str, float]:
+        return {t.config.label: t.window.covered_seconds() for t in self.targets}
 
     async def run_forever(self) -> None:
         interval = self.cfg.interval

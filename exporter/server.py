@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from exporter import __version__
+from exporter.advisor import advice_json
 from exporter.derive import EngineDerived
 from exporter.logs import log_event
 from exporter.runtime import Exporter
@@ -124,6 +125,20 @@ def status_json(exp: Exporter) -> dict[str, Any]:
     }
 
 
+def advice_doc(exp: Exporter) -> dict[str, Any]:
+    th = exp.cfg.thresholds
+    items = [
+        advice_json(target, key, advice, th)
+        for target, pairs in exp.advice.items()
+        for key, advice in pairs
+    ]
+    return {"version": __version__, "cycles": exp.cycles, "advice": items}
+
+
+async def advice(request: web.Request) -> web.Response:
+    return web.json_response(advice_doc(request.app[EXPORTER_KEY]))
+
+
 async def status(request: web.Request) -> web.Response:
     return web.json_response(status_json(request.app[EXPORTER_KEY]))
 
@@ -169,6 +184,12 @@ async def index(request: web.Request) -> web.Response:
                 f"<td>{_fmt(d.transfer_speedup)}</td></tr>"
             )
         rows.append("</table>")
+        for key, adv in exp.advice.get(t.config.label, []):
+            rows.append(
+                f"<p><b>{html.escape(key.model_name)}/{html.escape(key.engine)}: "
+                f"{html.escape(str(adv.action))}</b> ({html.escape(adv.reason)}) &mdash; "
+                f"{html.escape(adv.explanation)}</p>"
+            )
     cols = "".join(
         f"<li>{html.escape(s.name)}: {'up' if s.health.up else 'down'}"
         f"{' &mdash; ' + html.escape(s.health.error or '') if s.health.error else ''}</li>"
@@ -180,7 +201,8 @@ async def index(request: web.Request) -> web.Response:
         "<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em .6em;"
         "border-bottom:1px solid #ddd;text-align:right}</style></head><body>"
         f"<h1>kv-offload-exporter {html.escape(__version__)}</h1>"
-        "<p><a href='/metrics'>/metrics</a> &middot; <a href='/api/v1/status'>status JSON</a>"
+        "<p><a href='/metrics'>/metrics</a> &middot; <a href='/advice'>advice JSON</a> &middot; "
+        "<a href='/api/v1/status'>status JSON</a>"
         " &middot; <a href='/healthz'>/healthz</a> &middot; <a href='/readyz'>/readyz</a></p>"
         f"<p>window {exp.cfg.window:g} s, interval {exp.cfg.interval:g} s, "
         f"{exp.cycles} cycles</p>"
@@ -200,6 +222,7 @@ def make_app(exporter: Exporter, *, run_loop: bool = True) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/api/v1/status", status)
+    app.router.add_get("/advice", advice)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await exporter.start()

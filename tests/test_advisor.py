@@ -1,0 +1,254 @@
+"""The advisor on recorded real windows and on the edge cases around each threshold."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from exporter.advisor import (
+    Action,
+    Advisor,
+    AdvisorInput,
+    MemoryState,
+    WhatIfPoint,
+    WhatIfState,
+    evaluate,
+)
+from exporter.derive import DeriveSettings, EngineDerived, derive_engine
+from exporter.thresholds import DEFAULT
+from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
+from exporter.window import TargetWindow
+from tests.conftest import H200
+from tests.helpers import sample_from
+
+GIB = 1 << 30
+EK = EngineKey("qwen3-dummy", "0")
+# The recorded H200 runs are 25 requests in about 1.5 s: accept that little evidence here.
+SHORT = replace(DEFAULT, min_window_seconds=0.0, min_prompt_tokens=10_000.0)
+
+
+def window_from_requests(run: Path, offload: bool) -> tuple[TargetWindow, float]:
+    """One sample per finished request of a recorded run, counters accumulated from the
+    client-side latency records (max_tokens=1, so latency ~ TTFT) and the run's config."""
+    records = json.loads((run / "latency.json").read_text())
+    after = sample_from(run / "metrics_after.txt", 0.0)
+    config = after.cache_config
+    bpt = 114688.0
+    totals = after.engines[EK].counters
+    load_bw = totals["load_bytes"] / totals["load_seconds"] if offload else 0.0
+    c: dict[str, float] = dict.fromkeys(
+        ["prompt_tokens", "prompt_by_source:local_compute", "prompt_by_source:local_cache_hit",
+         "prompt_by_source:external_kv_transfer", "ttft_seconds", "ttft_requests",
+         "prefill_seconds", "prefill_requests", "computed_tokens", "prefix_queries",
+         "prefix_hits"], 0.0)
+    if offload:
+        c.update(dict.fromkeys(["load_bytes", "load_seconds", "store_bytes", "store_seconds"], 0.0))
+    win = TargetWindow(600.0)
+    t0 = records[0]["t_start"] - 0.01
+    win.add(TargetSample(t0, {EK: EngineSample(dict(c), {"kv_usage": 0.0})}, config, 1.0))
+    for r in records:
+        ext = r["cached_tokens"] if offload and r["req"] == "A_after_evict" else 0
+        local = r["cached_tokens"] - ext
+        computed = r["prompt_tokens"] - r["cached_tokens"]
+        seconds = r["ms"] / 1e3
+        c["prompt_tokens"] += r["prompt_tokens"]
+        c["prompt_by_source:local_compute"] += computed
+        c["prompt_by_source:local_cache_hit"] += local
+        c["prompt_by_source:external_kv_transfer"] += ext
+        c["prefix_queries"] += r["prompt_tokens"]
+        c["prefix_hits"] += local
+        for k in ("ttft", "prefill"):
+            c[f"{k}_seconds"] += seconds
+            c[f"{k}_requests"] += 1
+        c["computed_tokens"] += computed
+        if offload:
+            c["load_bytes"] += ext * bpt
+            c["load_seconds"] += ext * bpt / load_bw
+            stored = (computed // 16) * 16 * bpt
+            c["store_bytes"] += stored
+            c["store_seconds"] += stored / load_bw
+        win.add(TargetSample(r["t_end"], {EK: EngineSample(dict(c), {"kv_usage": 0.0})},
+                             config, 1.0))
+    return win, records[-1]["t_end"]
+
+
+def test_h200_small_model_with_offload_is_told_to_disable_it():
+    win, now = window_from_requests(H200 / "b_offload", offload=True)
+    d = derive_engine(win, EK, now, DeriveSettings(stale_after=10.0, min_fit_points=4))
+    assert d is not None and d.offload_enabled
+    # The copy counter alone says reloading is fast ...
+    assert d.load_bandwidth is not None and d.load_bandwidth > 30e9
+    # ... but TTFT says a loaded token costs more than a recomputed one.
+    assert d.offload_fit is not None
+    assert d.offload_fit.saving_seconds_per_token < 0
+    a = evaluate(AdvisorInput(d, win.covered_seconds()), SHORT)
+    assert a.action == Action.DISABLE_OFFLOAD
+    assert a.reason == "reload_slower_than_recompute"
+    assert "turn it off" in a.explanation
+
+
+def test_h200_small_model_without_offload_is_not_told_to_enable_it():
+    win, now = window_from_requests(H200 / "a_nooffload", offload=False)
+    settings = DeriveSettings(stale_after=10.0, link_bandwidth=64e9, min_fit_points=4)
+    d = derive_engine(win, EK, now, settings)
+    assert d is not None and not d.offload_enabled
+    # Per-token recompute cost is below the noise on an H200 with a 0.6B model.
+    assert d.recompute_negligible and d.transfer_speedup == 0.0
+    # A's re-send after eviction: 5 x 1456 tokens that a CPU tier would have caught.
+    whatif = WhatIfState((WhatIfPoint(0.5 * GIB, 7280 / 40000),), 5 * 1456.0)
+    a = evaluate(AdvisorInput(d, win.covered_seconds(), whatif=whatif), SHORT)
+    assert a.action == Action.NO_ACTION
+    assert a.reason == "reload_not_faster_estimate"
+
+
+def base(**kw: object) -> EngineDerived:
+    """A fresh engine with plenty of evidence; override what the case is about."""
+    defaults: dict[str, object] = dict(
+        key=EK, fresh=True, offload_enabled=False, offload_buffer_bytes=None,
+        gpu_capacity_tokens=2336.0, block_size=16, kv_usage=0.95, gpu_prefix_hit_ratio=0.2,
+        offload_hit_ratio=None, offload_lookup_hit_ratio=None, load_bandwidth=None,
+        store_bandwidth=None, reuse_ratio=None, kv_bytes_per_token=114688.0,
+        kv_bytes_per_token_method="offload_transfers", prefill_fit=None, offload_fit=None,
+        recompute_tokens_per_second=23_000.0, recompute_negligible=False,
+        prefill_average_tokens_per_second=20_000.0, transfer_tokens_per_second=110_000.0,
+        transfer_estimated=True, transfer_speedup=110_000 / 23_000,
+        window={"prompt_tokens": 400_000.0, "preemptions": 3.0},
+        totals={},
+    )
+    defaults.update(kw)
+    return EngineDerived(**defaults)  # type: ignore[arg-type]
+
+
+CURVE = (
+    WhatIfPoint(0.25 * GIB, 0.10), WhatIfPoint(0.5 * GIB, 0.17), WhatIfPoint(1 * GIB, 0.18),
+    WhatIfPoint(2 * GIB, 0.18),
+)
+
+
+def inp(d: EngineDerived, **kw: object) -> AdvisorInput:
+    return AdvisorInput(derived=d, covered_seconds=300.0, **kw)  # type: ignore[arg-type]
+
+
+def test_laptop_case_recompute_after_eviction_enables_offload_with_knee_size():
+    # Published laptop run: ~23k tokens/s recompute vs ~110k tokens/s reload.
+    w = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0)
+    a = evaluate(inp(base(), whatif=w))
+    assert a.action == Action.ENABLE_OFFLOAD
+    assert a.recommended_buffer_bytes == 0.5 * GIB  # smallest size with >= 90% of the best
+    assert "--kv-offloading-size 0.5" in a.explanation
+
+
+def test_enable_respects_memory_headroom():
+    w = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0)
+    # 10 GiB limit, 8.8 GiB used: 0.2 GiB left under 90%, i.e. 0.1 GiB of flag at 2x pool cost.
+    mem = MemoryState(limit_bytes=10 * GIB, usage_bytes=8.8 * GIB, pool_bytes=0.0)
+    a = evaluate(inp(base(), whatif=w, memory=mem))
+    assert a.action == Action.NO_ACTION and a.reason == "whatif_no_gain"
+
+
+def test_no_pressure_and_no_events_is_no_action():
+    a = evaluate(inp(base(kv_usage=0.3, window={"prompt_tokens": 400_000.0})))
+    assert a.action == Action.NO_ACTION and a.reason == "no_kv_pressure"
+
+
+def test_pressure_without_events_asks_for_kv_events():
+    a = evaluate(inp(base()))
+    assert a.action == Action.INSUFFICIENT_DATA and a.reason == "kv_events_off"
+
+
+def test_cpu_server_is_honest_that_reload_speed_is_unknown():
+    d = base(transfer_tokens_per_second=None, transfer_speedup=None, transfer_estimated=False)
+    w = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0)
+    a = evaluate(inp(d, whatif=w))
+    assert a.action == Action.INSUFFICIENT_DATA and a.reason == "transfer_rate_unknown"
+    assert "CUDA or XPU" in a.explanation
+
+
+def test_recompute_after_eviction_below_threshold_is_no_action():
+    w = WhatIfState(CURVE, recomputed_after_eviction_tokens=0.01 * 400_000)
+    a = evaluate(inp(base(), whatif=w))
+    assert a.action == Action.NO_ACTION and a.reason == "no_recompute_after_eviction"
+
+
+ON = dict(offload_enabled=True, offload_buffer_bytes=0.5 * GIB, offload_hit_ratio=0.17,
+          reuse_ratio=0.3, load_bandwidth=12.6e9, transfer_estimated=False)
+
+
+def test_offload_paying_off_is_kept():
+    a = evaluate(inp(base(**ON)))
+    assert a.action == Action.KEEP and a.reason == "paying_off"
+
+
+def test_offload_without_reuse_is_disabled():
+    a = evaluate(inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002})))
+    assert a.action == Action.DISABLE_OFFLOAD and a.reason == "no_reuse"
+
+
+def test_offload_with_low_hits_but_whatif_gain_grows_buffer():
+    w = WhatIfState(CURVE, 70_000.0, configured_hit_ratio=0.01)
+    d = base(**{**ON, "offload_buffer_bytes": 0.25 * GIB, "offload_hit_ratio": 0.01})
+    a = evaluate(inp(d, whatif=w))
+    assert a.action == Action.GROW_BUFFER and a.recommended_buffer_bytes == 0.5 * GIB
+
+
+def test_offload_buffer_larger_than_needed_shrinks():
+    w = WhatIfState(CURVE, 70_000.0, configured_hit_ratio=0.18)
+    a = evaluate(inp(base(**{**ON, "offload_buffer_bytes": 2 * GIB}), whatif=w))
+    assert a.action == Action.SHRINK_BUFFER and a.recommended_buffer_bytes == 0.5 * GIB
+
+
+def test_stores_without_reuse_on_busy_pcie_raise_store_threshold():
+    d = base(**{**ON, "reuse_ratio": 0.02})
+    assert evaluate(inp(d, pcie_utilization=0.85)).action == Action.RAISE_STORE_THRESHOLD
+    # Near miss: the same traffic on an idle link is left alone.
+    assert evaluate(inp(d, pcie_utilization=0.5)).action == Action.KEEP
+
+
+def test_pinned_pool_near_container_limit_is_urgent():
+    mem = MemoryState(limit_bytes=16 * GIB, usage_bytes=15 * GIB, pool_bytes=0.875 * GIB,
+                      pool_to_buffer_ratio=1.75)
+    a = evaluate(inp(base(**ON), memory=mem))
+    assert a.action == Action.REDUCE_BUFFER_OOM_RISK
+    # Allowed pool 0.9 x 16 - (15 - 0.875) = 0.275 GiB, i.e. 0.157 GiB of flag at 1.75x.
+    assert a.recommended_buffer_bytes == pytest.approx((0.9 * 16 - 14.125) / 1.75 * GIB)
+
+
+def test_copy_speedup_below_one_disables_when_ttft_fit_is_missing():
+    d = base(**{**ON, "transfer_speedup": 0.6})
+    assert evaluate(inp(d)).action == Action.DISABLE_OFFLOAD
+
+
+@pytest.mark.parametrize(("covered", "tokens", "reason"), [
+    (30.0, 400_000.0, "window_too_short"), (300.0, 1_000.0, "too_little_traffic")])
+def test_insufficient_evidence_says_how_much_more_is_needed(covered, tokens, reason):
+    d = base(window={"prompt_tokens": tokens})
+    a = evaluate(AdvisorInput(d, covered))
+    assert a.action == Action.INSUFFICIENT_DATA and a.reason == reason
+    assert "more" in a.explanation
+
+
+def test_stale_target_gives_no_advice():
+    assert evaluate(inp(base(fresh=False))).reason == "target_stale"
+
+
+def test_hysteresis_holds_advice_until_the_new_one_is_confirmed():
+    adv = Advisor(confirm=3)
+    keep = inp(base(**ON))
+    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    assert adv.update("t", keep).action == Action.KEEP
+    first = adv.update("t", drop)
+    assert first.action == Action.KEEP and first.candidate == Action.DISABLE_OFFLOAD
+    assert adv.update("t", keep).action == Action.KEEP  # flapping resets the count
+    assert adv.update("t", drop).action == Action.KEEP
+    assert adv.update("t", drop).action == Action.KEEP
+    assert adv.update("t", drop).action == Action.DISABLE_OFFLOAD
+
+
+def test_hysteresis_does_not_delay_oom_risk():
+    adv = Advisor(confirm=5)
+    adv.update("t", inp(base(**ON)))
+    mem = MemoryState(limit_bytes=16 * GIB, usage_bytes=15.5 * GIB, pool_bytes=1 * GIB)
+    assert adv.update("t", inp(base(**ON), memory=mem)).action == Action.REDUCE_BUFFER_OOM_RISK
