@@ -86,7 +86,7 @@ class WebhookReceiver:
         )
 
 
-def test_config(source: Path, receiver_url: str) -> dict[str, Any]:
+def config_for_test(source: Path, receiver_url: str) -> dict[str, Any]:
     """The committed Alertmanager config with webhooks pointed at `receiver_url` and the
     grouping waits shortened so a test does not wait minutes; routes and inhibitions are
     left exactly as committed."""
