@@ -8,15 +8,9 @@ from __future__ import annotations
 
 import csv
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-)
 
 _NAME_RE = re.compile(r"^kvoffload_[a-z0-9_]+$")
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -107,7 +101,7 @@ def metric(name: str) -> MetricDef:
 
 
 class Family:
-    """Collects samples for one catalogue metric and builds its prometheus_client family.
+    """Collects the samples of one catalogue metric for rendering.
 
     Label values are given positionally in catalogue order, so a caller cannot
     silently emit a series with a missing or extra label.
@@ -133,27 +127,6 @@ class Family:
     def __len__(self) -> int:
         return len(self._samples)
 
-    def build(self) -> Metric:
-        d = self._def
-        if d.type == "counter":
-            fam: Metric = CounterMetricFamily(
-                d.name.removesuffix("_total"), d.help, labels=list(d.labels)
-            )
-            for labels, value in self._samples:
-                fam.add_metric(list(labels), value)  # type: ignore[attr-defined]
-            return fam
-        if d.type == "info":
-            # Info is rendered as a gauge of 1 so the text format stays plain 0.0.4.
-            fam = GaugeMetricFamily(d.name, d.help, labels=list(d.labels))
-            for labels, _ in self._samples:
-                fam.add_metric(list(labels), 1.0)
-            return fam
-        fam = GaugeMetricFamily(d.name, d.help, labels=list(d.labels))
-        for labels, value in self._samples:
-            fam.add_metric(list(labels), value)
-        return fam
-
-
-def build_families(families: Iterable[Family]) -> list[Metric]:
-    """Families with at least one sample; empty ones are left out (absent, not 0)."""
-    return [f.build() for f in families if len(f)]
+    @property
+    def samples(self) -> list[tuple[tuple[str, ...], float]]:
+        return self._samples

@@ -6,32 +6,19 @@ Rendering happens once per collection cycle, on the event loop, from memory only
 
 from __future__ import annotations
 
-import gzip
 import platform
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from exporter import __version__
 from exporter.advisor import Action, Advice
-from exporter.catalogue import Family, build_families
+from exporter.catalogue import Family
 from exporter.derive import EngineDerived
+from exporter.exposition import Exposition
 from exporter.sources import ErrorKind, Source
 from exporter.sources.vllm_http import VllmTarget
 from exporter.vllm_metrics import EngineKey
 
 COLLECTOR_ERROR_KINDS = tuple(ErrorKind)
-
-
-@dataclass(frozen=True, slots=True)
-class Exposition:
-    text: bytes
-    openmetrics: bytes
-    text_gzip: bytes = field(repr=False, default=b"")
-    openmetrics_gzip: bytes = field(repr=False, default=b"")
 
 
 def self_families(window_seconds: float, sources: Sequence[Source]) -> Iterator[Family]:
@@ -158,28 +145,5 @@ def advice_families(
     return [state, recommended, info]
 
 
-class _Snapshot:
-    """A prometheus_client collector over a fixed list of families."""
-
-    def __init__(self, metrics: list[Metric]) -> None:
-        self._metrics = metrics
-
-    def collect(self) -> Iterable[Metric]:
-        return self._metrics
-
-    def describe(self) -> Iterable[Metric]:
-        return []
-
-
 def render(families: Iterable[Family]) -> Exposition:
-    metrics = build_families(families)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(metrics))
-    text = generate_latest(registry)
-    om: bytes = generate_openmetrics(registry)  # type: ignore[no-untyped-call]
-    return Exposition(
-        text=text,
-        openmetrics=om,
-        text_gzip=gzip.compress(text, compresslevel=5),
-        openmetrics_gzip=gzip.compress(om, compresslevel=5),
-    )
+    return Exposition(families)

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 Labels = tuple[tuple[str, str], ...]
 
-_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,)?')
 _NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
 _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 _ESCAPE_RE = re.compile(r"\\[\\\"n]")
@@ -45,33 +43,38 @@ def _unescape(value: str) -> str:
     return _ESCAPE_RE.sub(lambda m: _ESCAPES[m.group(0)], value)
 
 
+_PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"(?:[^"\\]|\\.)*"'
+# The whole label block in one C-level match, then the pairs with one findall: a Python
+# loop per label costs more than everything else on vLLM's 35-label cache_config_info.
+_BLOCK_RE = re.compile(r"\{\s*(?:" + _PAIR + r"\s*(?:,\s*" + _PAIR + r"\s*)*,?\s*)?\}")
+_PAIRS_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+# Label blocks repeat verbatim on every scrape (the same series, the same labels): parsing
+# each distinct block once is most of the parser's speed. Bounded; cleared when full.
+_LABEL_CACHE: dict[str, Labels] = {}
+_LABEL_CACHE_MAX = 1 << 16
+
+
 def _parse_labels(line: str, pos: int, lineno: int) -> tuple[Labels, int]:
     """Parse `{k="v",...}` starting at line[pos] == '{'; return labels and the index after '}'."""
-    pos += 1
-    labels: list[tuple[str, str]] = []
-    end = len(line)
-    while True:
-        while pos < end and line[pos] == " ":
-            pos += 1
-        if pos < end and line[pos] == "}":
-            pos += 1
-            break
-        m = _LABEL_RE.match(line, pos)
-        if m is None:
-            raise ExpositionError(f"line {lineno}: malformed labels: {line[:120]!r}")
-        labels.append((m.group(1), _unescape(m.group(2))))
-        pos = m.end()
-        if m.group(3) is None:
-            while pos < end and line[pos] == " ":
-                pos += 1
-            if pos >= end or line[pos] != "}":
-                raise ExpositionError(f"line {lineno}: unterminated labels: {line[:120]!r}")
-            pos += 1
-            break
-    keys = [k for k, _ in labels]
-    if len(set(keys)) != len(keys):
+    close = line.rfind("}")
+    if close > pos:
+        cached = _LABEL_CACHE.get(line[pos : close + 1])
+        if cached is not None:
+            return cached, close + 1
+    m = _BLOCK_RE.match(line, pos)
+    if m is None:
+        raise ExpositionError(f"line {lineno}: malformed labels: {line[:120]!r}")
+    pairs = _PAIRS_RE.findall(line, pos, m.end())
+    labels = [(k, _unescape(v)) for k, v in pairs]
+    if len({k for k, _ in labels}) != len(labels):
         raise ExpositionError(f"line {lineno}: repeated label name: {line[:120]!r}")
-    return tuple(sorted(labels)), pos
+    result = tuple(sorted(labels))
+    if len(_LABEL_CACHE) >= _LABEL_CACHE_MAX:
+        _LABEL_CACHE.clear()
+    _LABEL_CACHE[line[pos : m.end()]] = result
+    return result, m.end()
 
 
 def _parse_value(text: str, lineno: int, line: str) -> float:
@@ -95,26 +98,30 @@ def parse(text: str, wanted: Collection[str]) -> list[Sample]:
     """
     out: list[Sample] = []
     seen: set[tuple[str, Labels]] = set()
-    name_match = _NAME_RE.match
+    name_start = _NAME_START
     for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line or line[0] == "#":
+        if not line:
             continue
         first = line[0]
-        if first not in _NAME_START:
+        if first == "#":
+            continue
+        if first not in name_start:
             if line.isspace():
                 continue
             raise ExpositionError(f"line {lineno}: not a sample line: {line[:120]!r}")
-        m = name_match(line)
-        assert m is not None  # first character is a valid name start
-        name = m.group(0)
+        # Cheap name cut first: most lines are histogram buckets nobody asked for.
+        end = line.find("{")
+        if end < 0:
+            end = line.find(" ")
+            if end < 0:
+                end = len(line)
+        name = line[:end]
         if name not in wanted:
             continue
-        pos = m.end()
+        pos = end
         labels: Labels = ()
         if pos < len(line) and line[pos] == "{":
             labels, pos = _parse_labels(line, pos, lineno)
-        elif pos < len(line) and line[pos] not in " \t":
-            raise ExpositionError(f"line {lineno}: bad metric name: {line[:120]!r}")
         value = _parse_value(line[pos:], lineno, line)
         key = (name, labels)
         if key in seen:

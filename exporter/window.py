@@ -39,6 +39,10 @@ class TargetWindow:
         self.resets = 0
         self._intervals: deque[Interval] = deque()
         self._last_raw: dict[EngineKey, dict[str, float]] = {}
+        # Running sums and presence counts of each engine's deltas over the window, so the
+        # common query (every key present in every interval) costs O(keys), not O(window).
+        self._sum: dict[EngineKey, dict[str, float]] = {}
+        self._present: dict[EngineKey, dict[str, int]] = {}
 
     def add(self, sample: TargetSample) -> list[EngineKey]:
         """Add a scrape; return the engines on which a counter reset was detected."""
@@ -76,6 +80,7 @@ class TargetWindow:
             self.resets += 1
         if prev is not None:
             self._intervals.append(Interval(prev.ts, sample.ts, deltas))
+            self._account(deltas, +1)
         self.latest = sample
         self.prune(sample.ts)
         return reset_engines
@@ -83,11 +88,24 @@ class TargetWindow:
     def prune(self, now: float) -> None:
         horizon = now - self.window_seconds
         while self._intervals and self._intervals[0].t0 < horizon:
-            self._intervals.popleft()
+            self._account(self._intervals.popleft().deltas, -1)
         for ek in [ek for ek, t in self.last_seen.items() if t < horizon]:
             del self.last_seen[ek]
             self.totals.pop(ek, None)
             self._last_raw.pop(ek, None)
+
+    def _account(self, deltas: Mapping[EngineKey, Mapping[str, float]], sign: int) -> None:
+        for ek, d in deltas.items():
+            sums = self._sum.setdefault(ek, {})
+            present = self._present.setdefault(ek, {})
+            for key, value in d.items():
+                sums[key] = sums.get(key, 0.0) + sign * value
+                count = present.get(key, 0) + sign
+                if count:
+                    present[key] = count
+                else:
+                    present.pop(key, None)
+                    sums.pop(key, None)
 
     def intervals(self) -> tuple[Interval, ...]:
         return tuple(self._intervals)
@@ -104,6 +122,11 @@ class TargetWindow:
         None when no interval had them all: the quantity is unknown, not zero.
         """
         keys = tuple(keys)
+        present = self._present.get(ek, {})
+        n = len(self._intervals)
+        if n and all(present.get(k) == n for k in keys):
+            sums = self._sum[ek]
+            return tuple(sums[k] for k in keys)
         acc = [0.0] * len(keys)
         found = False
         for iv in self._intervals:

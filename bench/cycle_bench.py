@@ -1,0 +1,115 @@
+"""CPU time of one collection cycle as the number of vLLM targets grows.
+
+    python -m bench.cycle_bench [--targets 1,8,64] [--cycles N]
+
+Each target serves the 8-engine corpus (bench/corpus.py, ~390 KB) from a separate process,
+so the exporter process's CPU time (time.process_time) is the exporter's own work: HTTP
+client, parsing, window update, derivations, advice, rendering. Baseline, same run: the same
+cycle with prometheus_client's text parser in place of the exporter's targeted parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from collections.abc import Iterator
+from dataclasses import replace
+
+from bench.common import median, table
+from exporter import expfmt
+from exporter.config import Config
+from exporter.exposition import OPENMETRICS
+from exporter.runtime import Exporter, build_sources
+from exporter.sources.vllm_http import TargetConfig
+from testbed.procs import free_port, start, stop, wait_http
+
+
+@contextmanager
+def corpus_server(engines: int) -> Iterator[str]:
+    import tempfile
+    from pathlib import Path
+
+    port = free_port()
+    log = Path(tempfile.mkdtemp()) / "corpus.log"
+    proc = start([sys.executable, "-m", "bench.serve_corpus", str(port), "--engines",
+                  str(engines)], log)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/metrics", 30, proc, log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def baseline_parser() -> Iterator[None]:
+    """Swap in prometheus_client's parser (what an exporter would use off the shelf)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    original = expfmt.parse
+
+    def parse(text: str, wanted: object) -> list[expfmt.Sample]:
+        return [
+            expfmt.Sample(s.name, tuple(sorted(s.labels.items())), s.value)
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name in wanted  # type: ignore[operator]
+        ]
+
+    expfmt.parse = parse  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        expfmt.parse = original  # type: ignore[assignment]
+
+
+async def cycle_cpu(url: str, targets: int, cycles: int) -> float:
+    cfg = Config(
+        targets=tuple(TargetConfig(url=url, name=f"t{i}") for i in range(targets)),
+        interval=1.0, window=300.0,
+    )
+    cfg = replace(cfg, scrape_timeout=30.0)
+    exp = Exporter(cfg, build_sources(cfg))
+    await exp.start()
+    try:
+        await exp.run_cycle()  # warm-up: connections, first window sample
+        samples = []
+        for _ in range(cycles):
+            t0 = time.process_time()
+            await exp.run_cycle()
+            # One Prometheus scrape per cycle renders the OpenMetrics body once.
+            exp.exposition.body(OPENMETRICS)
+            samples.append(time.process_time() - t0)
+        return median(samples)
+    finally:
+        await exp.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--targets", default="1,8,64")
+    parser.add_argument("--cycles", type=int, default=10)
+    parser.add_argument("--engines", type=int, default=8)
+    args = parser.parse_args(argv)
+    counts = [int(x) for x in args.targets.split(",")]
+    rows = []
+    with corpus_server(args.engines) as url:
+        for n in counts:
+            ours = asyncio.run(cycle_cpu(url, n, args.cycles))
+            with baseline_parser():
+                base = asyncio.run(cycle_cpu(url, n, max(2, args.cycles // 3)))
+            rows.append((str(n), f"{ours * 1e3:.1f} ms", f"{ours / n * 1e3:.2f} ms",
+                         f"{base * 1e3:.1f} ms", f"{base / ours:.1f}x"))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{args.engines} engines per target, median over {args.cycles} cycles")
+    print(table(rows, ("targets", "CPU per cycle", "per target", "baseline parser",
+                       "speedup vs baseline")))
+    print(f"peak RSS of the benchmark process: {rss:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
