@@ -1,0 +1,350 @@
+"""Container memory of the vLLM process: limit, usage and headroom from its cgroup (v2 or v1).
+
+The cgroup that matters is vLLM's, not the exporter's: it is found from
+/proc/PID/cgroup of the target's root process and read under --path.cgroup. Pinned
+offload pools are shmem, which cannot be reclaimed without swap, so headroom is the
+limit minus anon + shmem (page cache is left out: the kernel reclaims it before an OOM
+kill). Where vLLM's cgroup is not visible (a Kubernetes sidecar sees its own cgroup
+namespace only), --memory-limit supplies the limit and the processes' own anon + shmem
+from /proc stand in for the cgroup's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from exporter.catalogue import Family
+from exporter.logs import log_event
+from exporter.sources import Clock, CollectError, ErrorKind, Health
+
+if TYPE_CHECKING:
+    from exporter.advisor import MemoryState
+    from exporter.sources.procfs import ProcfsSource
+
+log = logging.getLogger("kvoe.cgroup")
+
+# cgroup v1 says "no limit" with LONG_MAX rounded down to a page (9223372036854771712);
+# anything this large is no limit on any real machine.
+V1_UNLIMITED = 1 << 60
+
+
+# --- pure parsers -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProcCgroup:
+    v2: str | None  # the unified hierarchy path ("0::/path")
+    v1_memory: str | None  # the v1 memory controller path ("N:memory:/path")
+
+
+def parse_proc_cgroup(text: str) -> ProcCgroup:
+    v2 = v1 = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
+        if hid == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return ProcCgroup(v2, v1)
+
+
+def parse_limit(text: str) -> int | None:
+    """memory.max / memory.limit_in_bytes -> bytes, None for no limit."""
+    value = text.strip()
+    if value == "max":
+        return None
+    number = int(value)
+    return None if number >= V1_UNLIMITED else number
+
+
+def parse_memory_stat(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            out[key] = int(value)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupMemory:
+    version: int  # 2, 1, or 0 when only --memory-limit and /proc are known
+    path: str  # what was read, for the log and status page
+    limit: int | None  # effective: the smallest limit of the cgroup and its ancestors
+    usage: int | None  # memory.current / memory.usage_in_bytes
+    anon: int | None
+    shmem: int | None
+    headroom: int | None  # limit - (anon + shmem), at the tightest level
+
+    @property
+    def unreclaimable(self) -> int | None:
+        if self.anon is None or self.shmem is None:
+            return None
+        return self.anon + self.shmem
+
+
+def headroom(limit: int | None, anon: int | None, shmem: int | None) -> int | None:
+    if limit is None or anon is None or shmem is None:
+        return None
+    return limit - anon - shmem
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def _read_optional(path: Path) -> str | None:
+    """A missing file is None (no controller, root cgroup); any other failure is an error."""
+    try:
+        return path.read_text(encoding="ascii", errors="replace")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CollectError(
+            ErrorKind.UNAVAILABLE, f"cannot read {path}: {exc.strerror or exc}"
+        ) from None
+
+
+def _parse(path: Path, text: str) -> int | None:
+    try:
+        return parse_limit(text)
+    except ValueError:
+        raise CollectError(ErrorKind.PARSE, f"{path}: unexpected content {text[:40]!r}") from None
+
+
+def read_v2(root: Path, rel: str, override: int | None = None) -> CgroupMemory:
+    parts = [p for p in rel.split("/") if p]
+    own = root.joinpath(*parts)
+    current = _read_optional(own / "memory.current")
+    stat_text = _read_optional(own / "memory.stat")
+    if current is None and stat_text is None:
+        raise CollectError(
+            ErrorKind.UNAVAILABLE,
+            f"no memory controller files in {own} (memory controller not enabled?)",
+            absent=True,
+        )
+    stat = parse_memory_stat(stat_text or "")
+    anon, shmem = stat.get("anon"), stat.get("shmem")
+    limits: list[tuple[int, int | None]] = []
+    for depth in range(len(parts), -1, -1):
+        level = root.joinpath(*parts[:depth])
+        raw = _read_optional(level / "memory.max")
+        if raw is None:
+            continue
+        limit = _parse(level / "memory.max", raw)
+        if limit is None:
+            continue
+        level_stat = (
+            stat
+            if depth == len(parts)
+            else parse_memory_stat(_read_optional(level / "memory.stat") or "")
+        )
+        limits.append((limit, headroom(limit, level_stat.get("anon"), level_stat.get("shmem"))))
+    usage = _parse(own / "memory.current", current) if current is not None else None
+    if override is not None:
+        return CgroupMemory(
+            2, str(own), override, usage, anon, shmem, headroom(override, anon, shmem)
+        )
+    rooms = [h for _, h in limits if h is not None]
+    return CgroupMemory(
+        version=2,
+        path=str(own),
+        limit=min((lim for lim, _ in limits), default=None),
+        usage=usage,
+        anon=anon,
+        shmem=shmem,
+        headroom=min(rooms, default=None),
+    )
+
+
+def read_v1(base: Path, rel: str, override: int | None = None) -> CgroupMemory:
+    own = base.joinpath(*[p for p in rel.split("/") if p])
+    usage_text = _read_optional(own / "memory.usage_in_bytes")
+    limit_text = _read_optional(own / "memory.limit_in_bytes")
+    stat_text = _read_optional(own / "memory.stat")
+    if usage_text is None and stat_text is None:
+        raise CollectError(
+            ErrorKind.UNAVAILABLE, f"no memory controller files in {own}", absent=True
+        )
+    stat = parse_memory_stat(stat_text or "")
+    limits = [
+        v
+        for v in (
+            _parse(own / "memory.limit_in_bytes", limit_text) if limit_text else None,
+            # The effective limit, ancestors included.
+            stat.get("hierarchical_memory_limit"),
+        )
+        if v is not None and v < V1_UNLIMITED
+    ]
+    limit = override if override is not None else min(limits, default=None)
+    # total_* include descendants, like v2's numbers do.
+    anon = stat.get("total_rss", stat.get("rss"))
+    shmem = stat.get("total_shmem", stat.get("shmem"))
+    usage = _parse(own / "memory.usage_in_bytes", usage_text) if usage_text else None
+    return CgroupMemory(1, str(own), limit, usage, anon, shmem, headroom(limit, anon, shmem))
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    version: int
+    base: Path  # the hierarchy's mount (v1: the memory controller's)
+    rel: str
+
+
+def locate(root: Path, target: ProcCgroup, own: ProcCgroup | None) -> Located | str:
+    """Where the target's memory cgroup is under `root`, or why it cannot be reached."""
+    if target.v1_memory is not None:
+        # v1 or hybrid: memory is accounted in the v1 hierarchy.
+        base = root / "memory" if (root / "memory").is_dir() else root
+        version, rel, mine = 1, target.v1_memory, own.v1_memory if own else None
+    elif target.v2 is not None:
+        base, version, rel, mine = root, 2, target.v2, own.v2 if own else None
+    else:
+        return "no memory cgroup in /proc/PID/cgroup"
+    if rel.startswith("/.."):
+        return (
+            f"cgroup {rel} is outside this container's cgroup namespace "
+            "(a sidecar sees only its own cgroup)"
+        )
+    if base.joinpath(*[p for p in rel.split("/") if p]).is_dir():
+        return Located(version, base, rel)
+    # Without a cgroup namespace the mount shows only our own cgroup at its root: the
+    # target's path is unreachable unless it is ours too (same container).
+    if mine is not None and mine == rel:
+        return Located(version, base, "/")
+    return f"cgroup {rel} is not under {base}"
+
+
+# --- the source -----------------------------------------------------------------------------
+
+
+class CgroupSource:
+    """The `cgroup:<target>` collector."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        procfs: ProcfsSource | None = None,
+        pid: int | None = None,
+        procfs_root: str | Path = "/proc",
+        cgroup_root: str | Path = "/sys/fs/cgroup",
+        memory_limit: int | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        self.target = target
+        self.name = f"cgroup:{target}"
+        self.health = Health(self.name, clock)
+        self.procfs = procfs
+        self.pid = pid
+        self.procfs_root = Path(procfs_root)
+        self.cgroup_root = Path(cgroup_root)
+        self.memory_limit = memory_limit or None
+        self.view: CgroupMemory | None = None
+        self._last_path: str | None = None
+
+    async def start(self) -> None:
+        self.health.started = True
+
+    async def stop(self) -> None:
+        return None
+
+    def _pid(self) -> int | None:
+        if self.procfs is not None and (pid := self.procfs.root_pid()) is not None:
+            return pid
+        return self.pid
+
+    async def collect(self) -> None:
+        try:
+            view = await asyncio.to_thread(self.read)
+        except CollectError:
+            self.view = None
+            raise
+        if view.path != self._last_path:
+            log_event(log, logging.INFO, "cgroup_found", target=self.target, path=view.path)
+            self._last_path = view.path
+        self.view = view
+
+    def _without_cgroup(self, reason: str) -> CgroupMemory:
+        """--memory-limit with the processes' own memory, or absent with the reason."""
+        if self.memory_limit is None:
+            raise CollectError(
+                ErrorKind.UNAVAILABLE,
+                f"{reason}; mount the host cgroup filesystem (--path.cgroup) "
+                "or give --memory-limit",
+                absent=True,
+            )
+        snap = self.procfs.snapshot if self.procfs is not None else None
+        used = snap.unreclaimable_bytes() if snap is not None else None
+        room = self.memory_limit - used if used is not None else None
+        return CgroupMemory(
+            0, f"--memory-limit ({reason})", self.memory_limit, None, None, None, room
+        )
+
+    def read(self) -> CgroupMemory:
+        pid = self._pid()
+        if pid is None:
+            return self._without_cgroup("the vLLM process is not known yet")
+        try:
+            text = (self.procfs_root / str(pid) / "cgroup").read_text(encoding="utf-8")
+        except OSError as exc:
+            return self._without_cgroup(f"cannot read /proc/{pid}/cgroup: {exc.strerror or exc}")
+        target = parse_proc_cgroup(text)
+        try:
+            own: ProcCgroup | None = parse_proc_cgroup(
+                (self.procfs_root / "self" / "cgroup").read_text(encoding="utf-8")
+            )
+        except OSError:
+            own = None
+        where = locate(self.cgroup_root, target, own)
+        if isinstance(where, str):
+            return self._without_cgroup(f"pid {pid}: {where}")
+        if where.version == 2:
+            return read_v2(where.base, where.rel, self.memory_limit)
+        return read_v1(where.base, where.rel, self.memory_limit)
+
+    # hooks -------------------------------------------------------------------------------
+
+    def memory_state(self, target: str) -> MemoryState | None:
+        """The advisor's view: limit, non-reclaimable usage, the offload pool."""
+        view = self.view
+        if target != self.target or view is None:
+            return None
+        from exporter.advisor import MemoryState
+
+        used = view.unreclaimable
+        if used is None and view.limit is not None and view.headroom is not None:
+            used = view.limit - view.headroom
+        pool = self.procfs.pool() if self.procfs is not None else None
+        return MemoryState(
+            limit_bytes=view.limit,
+            usage_bytes=used,
+            pool_bytes=pool.bytes if pool is not None else None,
+        )
+
+    def families(self) -> Iterable[Family]:
+        view = self.view
+        if view is None:
+            return []
+        values: Mapping[str, int | None] = {
+            "kvoffload_container_memory_limit_bytes": view.limit,
+            "kvoffload_container_memory_usage_bytes": view.usage,
+            "kvoffload_container_memory_anon_bytes": view.anon,
+            "kvoffload_container_memory_shmem_bytes": view.shmem,
+            "kvoffload_container_memory_headroom_bytes": view.headroom,
+        }
+        out: list[Family] = []
+        for name, value in values.items():
+            fam = Family(name)
+            if value is not None:
+                fam.add([self.target], value)
+            out.append(fam)
+        return out
