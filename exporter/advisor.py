@@ -209,19 +209,31 @@ def _evaluate_on(
             f"--kv-offloading-size to at most {_gib(rec)} or raise the limit.",
             rec,
         )
-    if saving is not None and saving <= 0:
-        ofit = d.offload_fit
-        assert ofit is not None
-        return advice(
-            Action.DISABLE_OFFLOAD,
-            "reload_slower_than_recompute",
-            "Measured from TTFT across the window, a token loaded from the CPU tier costs "
-            f"{ofit.loaded_seconds_per_token * 1e6:.2f} us while recomputing one costs "
-            f"{ofit.computed_seconds_per_token * 1e6:.2f} us: reloading does not beat "
-            "recomputing on this model and GPU (fixed per-request cost dominates). Offload "
-            "only adds PCIe traffic and pinned memory here; turn it off.",
+    ofit = d.offload_fit
+    if ofit is not None:
+        bounds = ofit.saving_bounds()
+        speedup = ofit.measured_speedup
+        costs = (
+            f"a token loaded from the CPU tier costs {ofit.loaded_seconds_per_token * 1e6:.2f} us "
+            f"of TTFT and a recomputed one {ofit.computed_seconds_per_token * 1e6:.2f} us"
         )
-    if saving is None and d.transfer_speedup is not None and d.transfer_speedup < 1.0:
+        if (bounds is not None and bounds[1] <= 0) or (speedup is not None and speedup < 1.0):
+            return advice(
+                Action.DISABLE_OFFLOAD,
+                "reload_slower_than_recompute",
+                f"Measured from TTFT across the window, {costs}: reloading does not beat "
+                "recomputing on this model and GPU (fixed per-request cost dominates). Offload "
+                "only adds PCIe traffic and pinned memory here; turn it off.",
+            )
+        if speedup is not None and speedup < th.transfer_speedup_min:
+            return advice(
+                Action.DISABLE_OFFLOAD,
+                "reload_gain_too_small",
+                f"Measured from TTFT across the window, {costs}: reloading is only "
+                f"{speedup:.2f}x faster than recomputing (needs {th.transfer_speedup_min:.1f}x), "
+                "too little to pay for the pinned memory and PCIe traffic; turn it off.",
+            )
+    elif d.transfer_speedup is not None and d.transfer_speedup < 1.0:
         return advice(
             Action.DISABLE_OFFLOAD,
             "reload_slower_than_recompute",
@@ -249,6 +261,25 @@ def _evaluate_on(
             f"Only {_pct(hit)} of prompt tokens come back from the CPU tier and "
             f"{_pct(d.reuse_ratio)} of the bytes stored are ever loaded: offloaded prefixes "
             "are not reused, so offload costs PCIe bandwidth and pinned memory for nothing.",
+        )
+    bounds = ofit.saving_bounds() if ofit is not None else None
+    if ofit is None or (bounds is not None and bounds[0] <= 0):
+        # The copy-time counter alone cannot show that offload pays (the H200 lesson):
+        # wait for the TTFT fit to separate loaded from computed tokens with confidence.
+        why = (
+            "the scrape intervals do not yet vary enough in loaded and computed tokens to "
+            "separate their costs"
+            if ofit is None
+            else f"the measured saving per loaded token, {ofit.saving_seconds_per_token * 1e6:.1f} "
+            f"+- {2 * (ofit.saving_stderr or 0) * 1e6:.1f} us, is not yet distinguishable "
+            "from zero"
+        )
+        return advice(
+            Action.INSUFFICIENT_DATA,
+            "reload_benefit_unmeasured",
+            f"{_pct(hit)} of prompt tokens come back from the CPU tier, but whether that makes "
+            f"requests faster is not measured yet: {why}. vLLM's copy-time counter alone "
+            f"(speedup {d.transfer_speedup or float('nan'):.2f}) leaves out per-load costs.",
         )
     if (
         d.reuse_ratio is not None

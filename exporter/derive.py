@@ -176,6 +176,50 @@ def _lstsq(columns: list[list[float]], y: list[float], min_det: float) -> list[f
     return [c / n for c, n in zip(coef, norms, strict=True)]
 
 
+def _inverse_gram(columns: list[list[float]]) -> list[list[float]] | None:
+    """(X^T X)^-1 by Gauss-Jordan on the unit-norm Gram matrix, then unscaled."""
+    k = len(columns)
+    norms = [math.sqrt(sum(v * v for v in col)) for col in columns]
+    if any(n <= 0 for n in norms):
+        return None
+    cols = [[v / n for v in col] for col, n in zip(columns, norms, strict=True)]
+    m = [
+        [sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols]
+        + [1.0 if i == j else 0.0 for j in range(k)]
+        for i, ci in enumerate(cols)
+    ]
+    for i in range(k):
+        pivot = max(range(i, k), key=lambda r: abs(m[r][i]))
+        if abs(m[pivot][i]) < 1e-12:
+            return None
+        m[i], m[pivot] = m[pivot], m[i]
+        p = m[i][i]
+        m[i] = [v / p for v in m[i]]
+        for r in range(k):
+            if r != i and m[r][i] != 0.0:
+                f = m[r][i]
+                m[r] = [a - f * b for a, b in zip(m[r], m[i], strict=True)]
+    return [[m[i][k + j] / (norms[i] * norms[j]) for j in range(k)] for i in range(k)]
+
+
+def _covariance(
+    columns: list[list[float]], y: list[float], coef: list[float]
+) -> list[list[float]] | None:
+    """Covariance of the least-squares coefficients: sigma^2 (X^T X)^-1."""
+    n, k = len(y), len(columns)
+    if n <= k:
+        return None
+    ss_res = sum(
+        (yi - sum(c * col[i] for c, col in zip(coef, columns, strict=True))) ** 2
+        for i, yi in enumerate(y)
+    )
+    inv = _inverse_gram(columns)
+    if inv is None:
+        return None
+    sigma2 = ss_res / (n - k)
+    return [[sigma2 * v for v in row] for row in inv]
+
+
 def _robust_lstsq(
     columns: list[list[float]], y: list[float], min_det: float
 ) -> tuple[list[float], list[list[float]], list[float]] | None:
@@ -255,10 +299,27 @@ class OffloadFit:
     loaded_seconds_per_token: float
     points: int
     r2: float
+    saving_stderr: float | None = None  # standard error of the saving per token
 
     @property
     def saving_seconds_per_token(self) -> float:
         return self.computed_seconds_per_token - self.loaded_seconds_per_token
+
+    @property
+    def measured_speedup(self) -> float | None:
+        """Recompute cost over reload cost per token, both as TTFT sees them."""
+        if self.computed_seconds_per_token <= 0:
+            return 0.0
+        if self.loaded_seconds_per_token <= 0:
+            return None  # a reload costs nothing measurable: unbounded
+        return self.computed_seconds_per_token / self.loaded_seconds_per_token
+
+    def saving_bounds(self, z: float = 2.0) -> tuple[float, float] | None:
+        """Approximate 95% interval of the saving per token; None without an error estimate."""
+        if self.saving_stderr is None:
+            return None
+        s = self.saving_seconds_per_token
+        return s - z * self.saving_stderr, s + z * self.saving_stderr
 
 
 def offload_fit(points: list[tuple[float, ...]], min_points: int) -> OffloadFit | None:
@@ -270,7 +331,12 @@ def offload_fit(points: list[tuple[float, ...]], min_points: int) -> OffloadFit 
     if fitted is None:
         return None
     coef, cols, y = fitted
-    return OffloadFit(coef[0], coef[1], coef[2], len(y), _r2(cols, y, coef))
+    cov = _covariance(cols, y, coef)
+    stderr = None
+    if cov is not None:
+        var = cov[1][1] + cov[2][2] - 2 * cov[1][2]
+        stderr = math.sqrt(var) if var >= 0 else None
+    return OffloadFit(coef[0], coef[1], coef[2], len(y), _r2(cols, y, coef), stderr)
 
 
 WINDOW_KEYS = (

@@ -17,7 +17,7 @@ from exporter.advisor import (
     WhatIfState,
     evaluate,
 )
-from exporter.derive import DeriveSettings, EngineDerived, derive_engine
+from exporter.derive import DeriveSettings, EngineDerived, OffloadFit, derive_engine
 from exporter.thresholds import DEFAULT
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
 from exporter.window import TargetWindow
@@ -173,8 +173,10 @@ def test_recompute_after_eviction_below_threshold_is_no_action():
     assert a.action == Action.NO_ACTION and a.reason == "no_recompute_after_eviction"
 
 
+# Laptop-like measured TTFT costs: 40 us per recomputed token, 10 us per loaded one.
+PAYS = OffloadFit(0.014, 40e-6, 10e-6, 60, 0.99, saving_stderr=2e-6)
 ON = dict(offload_enabled=True, offload_buffer_bytes=0.5 * GIB, offload_hit_ratio=0.17,
-          reuse_ratio=0.3, load_bandwidth=12.6e9, transfer_estimated=False)
+          reuse_ratio=0.3, load_bandwidth=12.6e9, transfer_estimated=False, offload_fit=PAYS)
 
 
 def test_offload_paying_off_is_kept():
@@ -217,8 +219,23 @@ def test_pinned_pool_near_container_limit_is_urgent():
 
 
 def test_copy_speedup_below_one_disables_when_ttft_fit_is_missing():
-    d = base(**{**ON, "transfer_speedup": 0.6})
+    d = base(**{**ON, "transfer_speedup": 0.6, "offload_fit": None})
     assert evaluate(inp(d)).action == Action.DISABLE_OFFLOAD
+
+
+def test_small_measured_gain_disables_offload():
+    # The H200 0.6B run with CUDA graphs: 25.2 us computed, 18.7 us loaded, noisy.
+    fit = OffloadFit(0.0, 25.2e-6, 18.7e-6, 7, 0.99, saving_stderr=18e-6)
+    a = evaluate(inp(base(**{**ON, "offload_fit": fit, "transfer_speedup": 5.25})))
+    assert a.action == Action.DISABLE_OFFLOAD and a.reason == "reload_gain_too_small"
+
+
+def test_copy_speed_alone_never_proves_offload_pays():
+    a = evaluate(inp(base(**{**ON, "offload_fit": None, "transfer_speedup": 5.0})))
+    assert a.action == Action.INSUFFICIENT_DATA and a.reason == "reload_benefit_unmeasured"
+    unsure = OffloadFit(0.0, 40e-6, 10e-6, 8, 0.9, saving_stderr=20e-6)
+    a = evaluate(inp(base(**{**ON, "offload_fit": unsure})))
+    assert a.action == Action.INSUFFICIENT_DATA and "not yet distinguishable" in a.explanation
 
 
 @pytest.mark.parametrize(("covered", "tokens", "reason"), [
