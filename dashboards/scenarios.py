@@ -1,0 +1,167 @@
+"""The Prometheus data sets every panel is proven against (and previews are drawn from).
+
+live     a real vLLM CPU server (offload cannot run on CPU) with the seed workload, the
+         exporter as a process beside it, and a real Prometheus scraping both the exporter
+         (job kv-offload-exporter) and vLLM itself (job vllm), 1 s apart.
+offload  the H200 offload run (tests/fixtures/vllm-0.26.0-h200/b_offload): vLLM's /metrics
+         before and after the workload, interpolated to a 10-minute series at 15 s steps,
+         run through the real exporter code (testbed.backfill.run_exporter) and backfilled
+         with promtool next to the raw vLLM expositions. Totals and ratios are the run's;
+         per-second rates are not (the run took ~3 s; the time axis is stretched).
+gpu      recorded GPU runs with NVML, /proc and cgroup data under tests/fixtures/gpu/
+         (not recorded yet: panels proven only here are reported as pending).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dashboards.spec import Scenario
+from testbed import backfill
+from testbed.exporter_proc import ExporterProcess
+from testbed.procs import http_get
+from testbed.prometheus import Prometheus
+from testbed.vllm_cpu import VllmServer, kv_bytes_per_token, seed_workload
+
+REPO = Path(__file__).resolve().parent.parent
+H200_OFFLOAD = REPO / "tests" / "fixtures" / "vllm-0.26.0-h200" / "b_offload"
+GPU_RUNS = REPO / "tests" / "fixtures" / "gpu"
+H200_TARGET = "h200-offload:8000"
+OFFLOAD_STEP = 15.0
+OFFLOAD_STEPS = 40
+# An offload-less engine gets an estimated reload speed from this (PCIe Gen4 x16 at the
+# 56% efficiency measured for vLLM's block copies on an H200): the live speedup panel.
+LIVE_ASSUMED_LOAD_BANDWIDTH = 14_000_000_000
+LIVE_WHATIF_MIB = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Data:
+    """A Prometheus holding one scenario, and the time range a dashboard looks at."""
+
+    scenario: Scenario
+    prometheus: Prometheus
+    start: float
+    end: float
+    scrape_interval: float
+    note: str
+
+    def api(self, path: str, **params: str) -> Any:
+        return self.prometheus.api(path, **params)
+
+
+def offload_series(end: float) -> list[backfill.Series]:
+    before = (H200_OFFLOAD / "metrics_before.txt").read_text()
+    after = (H200_OFFLOAD / "metrics_after.txt").read_text()
+    texts = backfill.interpolate(before, after, OFFLOAD_STEPS)
+    scrapes = backfill.evenly(texts, end, OFFLOAD_STEP)
+    vllm = backfill.Series("vllm", H200_TARGET, scrapes)
+    exporter = backfill.run_exporter(
+        [backfill.Recording(H200_TARGET, scrapes)], interval=OFFLOAD_STEP, window=300.0
+    )
+    return [vllm, exporter]
+
+
+@contextmanager
+def offload(workdir: Path) -> Iterator[Data]:
+    end = backfill.recent_end()
+    prom = backfill.backfilled_prometheus(workdir, offload_series(end))
+    try:
+        yield Data(
+            Scenario.OFFLOAD,
+            prom,
+            start=end - OFFLOAD_STEP * OFFLOAD_STEPS - 60,  # "last 11 minutes"
+            end=end,
+            scrape_interval=OFFLOAD_STEP,
+            note="H200 offload run (vLLM 0.26), replayed through the exporter",
+        )
+    finally:
+        prom.stop()
+
+
+def gpu_runs_present() -> bool:
+    return GPU_RUNS.is_dir() and any(GPU_RUNS.iterdir())
+
+
+def _cycles(exporter: ExporterProcess) -> int:
+    _, body = http_get(exporter.url + "/api/v1/status")
+    return int(json.loads(body)["cycles"])
+
+
+def _wait_cycles(exporter: ExporterProcess, n: int) -> None:
+    start = _cycles(exporter)
+    deadline = time.monotonic() + 60
+    while _cycles(exporter) < start + n:
+        if time.monotonic() > deadline:
+            raise TimeoutError("exporter stopped cycling")
+        time.sleep(0.2)
+
+
+def live_exporter_args(vllm: VllmServer) -> list[str]:
+    args = [
+        "--vllm-url",
+        vllm.url,
+        "--interval",
+        "1",
+        "--window",
+        "60",
+        "--kv-bytes-per-token",
+        str(kv_bytes_per_token()),
+        "--assumed-load-bandwidth",
+        str(LIVE_ASSUMED_LOAD_BANDWIDTH),
+    ]
+    if vllm.proc is not None:
+        args += ["--vllm-pid", str(vllm.proc.pid)]
+    if vllm.kv_events_endpoint:  # vLLM connects to it, so the exporter binds it
+        args += ["--kv-events-bind", vllm.kv_events_endpoint]
+    # The tiny model's prompts are 1.6 MB of KV: simulate MiB-sized CPU tiers.
+    args += ["--whatif-sizes", ",".join(f"{m}MiB" for m in LIVE_WHATIF_MIB)]
+    return args
+
+
+@contextmanager
+def live(workdir: Path, vllm: VllmServer, batches: int = 5) -> Iterator[Data]:
+    """Exporter + Prometheus beside a running vLLM CPU server, after the seed workload."""
+    exporter = ExporterProcess(workdir, live_exporter_args(vllm)).start()
+    prom = None
+    try:
+        prom = Prometheus(
+            workdir / "prometheus",
+            config={
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {
+                        "job_name": "kv-offload-exporter",
+                        "static_configs": [{"targets": [exporter.address]}],
+                    },
+                    {
+                        "job_name": "vllm",
+                        "static_configs": [{"targets": [vllm.url.removeprefix("http://")]}],
+                    },
+                ],
+            },
+        ).start()
+        start = time.time()
+        prom.wait_for("kvoffload_target_up == 1")
+        prom.wait_for('up{job="vllm"} == 1')
+        seed_workload(vllm.url, batches=batches, seed=606, pause=0.2)
+        _wait_cycles(exporter, 3)
+        time.sleep(2.5)  # two more Prometheus scrapes of the final state
+        yield Data(
+            Scenario.LIVE,
+            prom,
+            start=float(int(start) - 5),
+            end=float(int(time.time())),
+            scrape_interval=1.0,
+            note="vLLM CPU 0.32 (offload off), seed workload, scraped live",
+        )
+    finally:
+        if prom is not None:
+            prom.stop()
+        exporter.stop()
