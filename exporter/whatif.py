@@ -1097,8 +1097,12 @@ def ttft_saved_seconds_per_second(
     recompute_tokens_per_second: float | None,
     transfer_tokens_per_second: float | None,
 ) -> float | None:
-    """Seconds of prefill saved per second: negative when reloading is slower than recompute."""
-    if not recompute_tokens_per_second or not transfer_tokens_per_second:
+    """Seconds of prefill saved per second: negative when reloading is slower than recompute.
+
+    A recompute rate of infinity means the per-token recompute cost is below measurement
+    noise: every reload then costs time, and the result says so with its negative sign.
+    """
+    if recompute_tokens_per_second is None or transfer_tokens_per_second is None:
         return None
     if recompute_tokens_per_second <= 0 or transfer_tokens_per_second <= 0:
         return None

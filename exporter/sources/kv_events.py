@@ -99,6 +99,11 @@ class StreamSpec:
     replay: str | None = None
 
 
+def _recompute_rate(d: EngineDerived) -> float | None:
+    """Marginal recompute tokens/s; infinite when the per-token cost is below the noise."""
+    return math.inf if d.recompute_negligible else d.recompute_tokens_per_second
+
+
 def streams_from(settings: KvEventsSettings) -> list[StreamSpec]:
     """Explicit endpoints, rank = position; replay endpoints pair up by position."""
     out: list[StreamSpec] = []
@@ -865,7 +870,7 @@ class KvEventsSource:
             for size, hits in zip(self.settings.sizes_bytes, view.hits, strict=True):
                 ratio.add([*labels, str(size)], min(1.0, hits / view.prompt_tokens))
                 ttft = ttft_saved_seconds_per_second(
-                    hits / view.seconds, d.recompute_tokens_per_second, d.transfer_tokens_per_second
+                    hits / view.seconds, _recompute_rate(d), d.transfer_tokens_per_second
                 )
                 if ttft is not None:
                     saved.add([*labels, str(size)], ttft)
@@ -886,7 +891,7 @@ class KvEventsSource:
                 float(size),
                 min(1.0, hits / view.prompt_tokens),
                 ttft_saved_seconds_per_second(
-                    hits / view.seconds, d.recompute_tokens_per_second, d.transfer_tokens_per_second
+                    hits / view.seconds, _recompute_rate(d), d.transfer_tokens_per_second
                 ),
             )
             for size, hits in zip(self.settings.sizes_bytes, view.hits, strict=True)
