@@ -20,7 +20,9 @@ Three layers:
    prompt blocks are offered for store as they are computed (all of them, GPU hits
    included, unless the lookup hit), stores evict from the LRU end skipping the
    offered blocks, become evictable only when the copy completes (in set order,
-   one engine step later under load) and are touched again after the store;
+   one engine step later under load) and are touched again after the store; a store
+   that cannot allocate is offered again in the request's finishing step (an idle
+   step before the next batch's lookups when the engine was not busy);
    store_threshold counts lookups. ARC follows the same scheduler with vLLM's ARC
    policy. Set order depends on PYTHONHASHSEED, so it is modelled as a seeded
    random permutation.
@@ -598,18 +600,27 @@ class VllmCpuTier:
 
     def process_batch(self, ts: float, accesses: Sequence[Access]) -> list[float]:
         if ts - self._last_ts > self.lag:
-            # Idle engine steps ran since the last batch and reported the copies done.
+            # Idle engine steps ran since the last batch. The first one is the finishing
+            # step of the last batch's requests: it offers their failed stores again while
+            # the last batch's copies are still in flight (completions are reported after
+            # the stores are built); vLLM keeps stepping while copies are pending, so all
+            # of them are done before this batch is scheduled.
+            retry, self._retry = self._retry, []
+            for a in retry:
+                self._store(a)
             self._complete(self._old_jobs)
-            self._old_jobs = []
-        # One engine step: all lookups happen while scheduling, all stores after it.
+            self._complete(self._new_jobs)
+            self._old_jobs, self._new_jobs = [], []
+        # One engine step: all lookups happen while scheduling, all stores after it, the
+        # scheduled requests' first and then those that finished in the previous step.
         hit = 0
         for a in accesses:
             hit += self._lookup(a)
         retry, self._retry = self._retry, []
-        for a in retry:
-            self._store(a)
         for a in accesses:
             self._store(a, self._retry)
+        for a in retry:
+            self._store(a)
         # Copies issued one step earlier are reported done in this step's output.
         self._complete(self._old_jobs)
         self._old_jobs, self._new_jobs = self._new_jobs, []

@@ -1,22 +1,33 @@
 #!/usr/bin/env python3
 """Turn the GPU acceptance results ($OUT of each device call) into compact repo fixtures.
 
-    .venv/bin/python bench/gpu/to_fixtures.py RESULTS... [--dest tests/fixtures/gpu]
+    .venv/bin/python bench/gpu/to_fixtures.py RESULTS... [--dest tests/fixtures/gpu] [--events-xz]
 
-RESULTS are folders holding what came back from the device (<config>.tar.xz, env.tar.xz,
-summary.json, driver.log) or single tarballs. For each configuration it writes
-DEST/<config>/ (see the README.md it writes there for the format), plus DEST/summary.json (all
-calls merged), DEST/env/<n>/ (hardware, driver, versions per call) and DEST/INDEX.json (what was
-kept and dropped, sizes, source sha256). Target: the whole DEST under 8 MiB.
+RESULTS are folders holding what came back from one device call (<config>.tar.xz, env.tar.xz,
+summary.json, driver.log, gpu_probe.json), in call order, or single tarballs; a folder's name is
+its call label. Written to DEST (format: fixtures-README.md, copied to DEST/README.md with a
+generated section on the recording appended):
 
-What is kept: every KV event (gzip), every request's latency, the /metrics sequences of vLLM and
-the exporter with all consecutive 1 s samples from 10 s before the first workload to 10 s after
-the last (xz: consecutive samples differ in few numbers), the exact expositions before and after
-each workload, the raw NVML counters at full rate (10 ms) inside the workloads +-1 s and one row
-per second elsewhere, all /proc and system readings, advice/status/what-if outputs and the
-commands. What is dropped: samples far from the workloads, the per-workload event slices and the
-exporter's own copy of the events (checked identical to the recorder's first), the middle of
-vLLM's log.
+- DEST/<config>/ per server configuration: every KV event, every request's latency, the 1 s
+  /metrics sequences of vLLM and the exporter and the exporter's /advice (consecutive samples
+  from 10 s before the first workload to 10 s after the last), the exact expositions before and
+  after each workload, the raw NVML counters at full rate over the workloads, /proc and system
+  readings, advice/status/what-if outputs, the commands. A configuration recorded again in a
+  later call gets the mode (`-graphs` without --enforce-eager) or the call as a suffix.
+- DEST/<shape>-<mode>-<workload>/ per workload of each group of runs with one model, one mode
+  and the same prompts: the what-if comparison's layout (bench/whatif_vs_observed.py,
+  docs/whatif.md): run.json (the base run's "count" selects the workload's event batches),
+  nooffload/kv-events.jsonl.xz (every event of the server, the caches carry over between
+  workloads), <run>/metrics_{before,after}.txt.gz bracketing the workload, <run>/cmd.txt.
+- DEST/summary.json (the driver summaries of all calls), DEST/env/<n>/ (hardware, driver,
+  versions and the driver log of call n), DEST/gpu_probe.json, DEST/INDEX.json (what was kept
+  and dropped, sizes, source sha256).
+
+Dropped: the exporter's own copy of the events (checked identical to the recorder's first),
+the driver's per-workload event slices (a slice loses the cache state the earlier workload
+left: the comparison replays the whole stream and counts one workload), NVML rows between
+workloads beyond one a second, the middle of vLLM's log, the call-wide NVML logs in env.
+Target: the whole DEST under 8 MiB.
 """
 
 from __future__ import annotations
@@ -27,10 +38,12 @@ import hashlib
 import json
 import lzma
 import re
+import shlex
 import shutil
 import sys
 import tarfile
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +55,10 @@ if str(HERE) not in sys.path:
 import gpukit as kit  # noqa: E402
 
 TARGET_BYTES = 8 * kit.MIB
-SMALL_TEXT = 64 * 1024  # text files above this are gzipped
-EVENTS_XZ = False  # --events-xz: ~15 % smaller than gzip on random token ids
+SMALL_TEXT = 16 * 1024  # /proc and /sys readings above this are gzipped
+EVENTS_XZ = False  # --events-xz: xz finds the repeated token ids gzip's window misses
+SETTLE_S = 4.0  # the driver's idle seconds after each workload (acceptance.py --settle)
+SLICE_LEAD_S = 1.0  # a workload's events start this long before its first request
 
 README = HERE / "fixtures-README.md"  # copied to DEST/README.md
 
@@ -56,18 +71,18 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def collect(inputs: list[Path]) -> tuple[list[Path], list[Path]]:
-    """(tarballs, summary.json files) from folders and files, in a stable order."""
-    tars: list[Path] = []
-    sums: list[Path] = []
+def collect(inputs: list[Path]) -> tuple[list[tuple[str, Path]], list[tuple[str, Path]]]:
+    """((call, tarball), (call, summary.json)) from folders and files, in a stable order."""
+    tars: list[tuple[str, Path]] = []
+    sums: list[tuple[str, Path]] = []
     for p in inputs:
         if p.is_dir():
-            tars += sorted(p.glob("*.tar.xz"))
-            sums += sorted(p.glob("summary.json"))
+            tars += [(p.name, t) for t in sorted(p.glob("*.tar.xz"))]
+            sums += [(p.name, s) for s in sorted(p.glob("summary.json"))]
         elif p.name.endswith(".tar.xz"):
-            tars.append(p)
+            tars.append((p.parent.name, p))
         elif p.name.endswith(".json"):
-            sums.append(p)
+            sums.append((p.parent.name, p))
     return tars, sums
 
 
@@ -79,6 +94,16 @@ def write_jsonl_xz(path: Path, rows: list[Any]) -> None:
 
 def gzip_file(src: Path, dest: Path) -> None:
     with src.open("rb") as fi, gzip.open(dest, "wb", compresslevel=9) as fo:
+        shutil.copyfileobj(fi, fo)
+
+
+def gzip_text(text: str, dest: Path) -> None:
+    with gzip.open(dest, "wt", compresslevel=9, encoding="utf-8") as fo:
+        fo.write(text)
+
+
+def xz_file(src: Path, dest: Path) -> None:
+    with src.open("rb") as fi, lzma.open(dest, "wb", preset=9) as fo:
         shutil.copyfileobj(fi, fo)
 
 
@@ -111,15 +136,87 @@ def log_excerpt(text: str, head: int = 150, tail: int = 100, cap: int = 100_000)
     return "\n".join(out)[-cap:] + "\n"
 
 
-def convert_config(root: Path, dest: Path, index: dict[str, Any]) -> None:
-    """root: an extracted <config>/ folder of the driver."""
-    name = root.name
-    out = dest / name
+# --- what a server command says about the run ----------------------------------------------
+
+
+@dataclass
+class RunInfo:
+    """One converted configuration, for grouping into what-if experiments."""
+
+    name: str  # the driver's configuration name
+    dirname: str  # its folder under DEST
+    call: str
+    root: Path  # the extracted driver folder
+    run: dict[str, Any]
+    cmd: str
+    shape: str
+    mode: str  # eager | graphs
+    offload_flag: str | None  # --kv-offloading-size as typed
+    extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
+
+    @property
+    def offload_bytes(self) -> int:
+        return int(float(self.offload_flag) * (1 << 30)) if self.offload_flag else 0
+
+
+def server_argv(cmd_text: str) -> list[str]:
+    first = next((ln for ln in cmd_text.splitlines() if ln.strip()), "")
+    try:
+        return shlex.split(first)
+    except ValueError:
+        return first.split()
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def run_info(root: Path, dirname: str, call: str, run: dict[str, Any], cmd: str) -> RunInfo:
+    argv = server_argv(cmd)
+    flag = flag_value(argv, "--kv-offloading-size")
+    extra: dict[str, Any] = {}
+    raw = flag_value(argv, "--kv-transfer-config")
+    if raw:
+        try:
+            extra = dict(json.loads(raw).get("kv_connector_extra_config") or {})
+        except (ValueError, AttributeError):
+            extra = {"unparsed": raw}
+    shape = str(run.get("shape") or root.name.split("-", 1)[0])
+    mode = "eager" if "--enforce-eager" in argv else "graphs"
+    return RunInfo(root.name, dirname, call, root, run, cmd, shape, mode, flag, extra)
+
+
+def run_dir_name(info: RunInfo) -> str:
+    if not info.offload_flag:
+        return "nooffload"
+    name = f"offload-{info.offload_flag}GiB"
+    ex = info.extra
+    if ex.get("eviction_policy"):
+        name += f"-{ex['eviction_policy']}"
+    if ex.get("store_threshold"):
+        name += f"-thr{ex['store_threshold']}"
+    if ex.get("spec_name") or ex.get("secondary_tiers"):
+        tiers = "-".join(str(t.get("type", "x")) for t in ex.get("secondary_tiers") or [])
+        name += "-tier" + (f"-{tiers}" if tiers else "")
+    return name
+
+
+# --- one configuration -----------------------------------------------------------------------
+
+
+def convert_config(root: Path, dest: Path, index: dict[str, Any], dirname: str) -> None:
+    """root: an extracted <config>/ folder of the driver; written to dest/dirname."""
+    out = dest / dirname
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    entry: dict[str, Any] = {"kept": [], "dropped": []}
-    index["configs"][name] = entry
+    entry: dict[str, Any] = {"source_config": root.name, "kept": [], "dropped": []}
+    index["configs"][dirname] = entry
     cmd_text = (root / "cmd.txt").read_text() if (root / "cmd.txt").exists() else ""
     work = work_dir_of(cmd_text)
 
@@ -131,7 +228,13 @@ def convert_config(root: Path, dest: Path, index: dict[str, Any]) -> None:
         entry["note"] = "no run.json: the server failed or the turn was cut short"
     windows = [tuple(w) for w in run.get("windows", {}).values()]
 
-    for fname in ("cmd.txt", "exporter_cmd.txt", "latency.json", "kv_events.jsonl.stats.json"):
+    for fname in (
+        "cmd.txt",
+        "exporter_cmd.txt",
+        "latency.json",
+        "kv_events.jsonl.stats.json",
+        "exporter-full.yaml",
+    ):
         p = root / fname
         if p.exists():
             (out / fname).write_text(scrub(p.read_text(), work))
@@ -147,11 +250,7 @@ def convert_config(root: Path, dest: Path, index: dict[str, Any]) -> None:
     events = root / "kv_events.jsonl"
     if events.exists():
         if EVENTS_XZ:
-            with (
-                events.open("rb") as fi,
-                lzma.open(out / "kv_events.jsonl.xz", "wb", preset=9) as fo,
-            ):
-                shutil.copyfileobj(fi, fo)
+            xz_file(events, out / "kv_events.jsonl.xz")
         else:
             gzip_file(events, out / "kv_events.jsonl.gz")
         theirs = root / "exporter_kv_events.jsonl"
@@ -172,10 +271,13 @@ def convert_config(root: Path, dest: Path, index: dict[str, Any]) -> None:
         write_jsonl_xz(out / (jl.name + ".xz"), kept)
         entry["kept"].append(f"{jl.name}: {len(kept)} of {len(samples)} samples")
 
+    # Full rate from 1 s before the first workload to the end of the last one's settle time,
+    # which is what the driver accumulated PCIe bytes over; one row a second elsewhere.
+    span = [(min(a for a, _ in windows) - 1.0, max(b for _, b in windows) + SETTLE_S + 1.0)]
     fast = root / "nvml_fast.csv"
     if fast.exists():
         rows = kit.read_nvml_csv(fast.read_text().splitlines())
-        kept_rows = kit.thin_nvml(rows, windows) if windows else rows
+        kept_rows = kit.thin_nvml(rows, span, margin_s=0.0) if windows else rows
         with gzip.open(out / "nvml_fast.csv.gz", "wt", compresslevel=9) as fh:
             fh.write(kit.nvml_csv(kept_rows))
         entry["kept"].append(f"nvml_fast.csv: {len(kept_rows)} of {len(rows)} rows")
@@ -187,7 +289,7 @@ def convert_config(root: Path, dest: Path, index: dict[str, Any]) -> None:
             for ln in lines[1:]
             if any(a - 5 <= _t(ln) <= b + 5 for a, b in windows) or not windows
         ]
-        (out / "nvml_thr.csv").write_text("\n".join(keep) + "\n")
+        gzip_text("\n".join(keep) + "\n", out / "nvml_thr.csv.gz")
 
     for sub in ("proc", "sys"):
         src = root / sub
@@ -234,17 +336,216 @@ def convert_env(root: Path, dest: Path) -> None:
             shutil.copy(p, dest / name)
 
 
-def merge_summaries(paths: list[Path]) -> dict[str, Any]:
+def merge_summaries(paths: list[tuple[str, Path]]) -> dict[str, Any]:
     merged: dict[str, Any] = {"calls": [], "configs": {}}
-    for i, p in enumerate(paths):
+    for i, (call, p) in enumerate(paths):
         doc = json.loads(p.read_text())
         configs = doc.pop("configs", {})
         for name, res in configs.items():
             keep = {k: v for k, v in res.items() if k not in ("server_log_tail",)}
             keep["call"] = i
-            merged["configs"][name] = keep
-        merged["calls"].append({"source": p.parent.name, **doc})
+            keep["call_label"] = call
+            key = name if name not in merged["configs"] else f"{name}@{call}"
+            merged["configs"][key] = keep
+        merged["calls"].append({"source": call, **doc})
     return merged
+
+
+def dir_name_for(name: str, call: str, mode: str, taken: dict[str, tuple[str, str]]) -> str:
+    """The configuration's folder: its name, suffixed when an earlier call recorded it."""
+    if name not in taken:
+        return name
+    _, first_mode = taken[name]
+    candidate = f"{name}-{mode}" if mode != first_mode else f"{name}-call{call}"
+    while candidate in taken:
+        candidate += "x"
+    return candidate
+
+
+# --- what-if experiments ------------------------------------------------------------------------
+
+
+def read_events(path: Path) -> list[str]:
+    opener: Any = lzma.open if path.suffix == ".xz" else gzip.open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        return [ln for ln in (raw.strip() for raw in fh) if ln]
+
+
+def count_windows(windows: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
+    """Event timestamps each workload owns: from SLICE_LEAD_S before its first request to the
+    same point before the next workload's (the last one's runs to the end of the stream)."""
+    starts = sorted((w[0] - SLICE_LEAD_S, name) for name, w in windows.items())
+    out: dict[str, tuple[float, float]] = {}
+    for i, (t0, name) in enumerate(starts):
+        out[name] = (t0, starts[i + 1][0] if i + 1 < len(starts) else 1e18)
+    return out
+
+
+def count_messages(lines: list[str], window: tuple[float, float]) -> int:
+    return sum(1 for ln in lines if window[0] <= float(json.loads(ln)["payload"][0]) < window[1])
+
+
+def build_experiments(dest: Path, runs: list[RunInfo], index: dict[str, Any]) -> list[str]:
+    """One experiment per (shape, mode, workload) with a run without offload and offload runs."""
+    groups: dict[tuple[str, str], list[RunInfo]] = {}
+    for r in runs:
+        groups.setdefault((r.shape, r.mode), []).append(r)
+    made: list[str] = []
+    for (shape, mode), members in sorted(groups.items()):
+        bases = [r for r in members if not r.offload_flag]
+        offloads = [r for r in members if r.offload_flag]
+        if not bases or not offloads:
+            index["experiments_skipped"].append(f"{shape}-{mode}: needs a base and offload runs")
+            continue
+        base = bases[-1]
+        if len(bases) > 1:
+            index["experiments_skipped"].append(
+                f"{shape}-{mode}: {len(bases)} runs without offload; {base.dirname} used"
+            )
+        events_path = next(
+            (
+                q
+                for q in (dest / base.dirname / f"kv_events.jsonl.{x}" for x in ("xz", "gz"))
+                if q.exists()
+            ),
+            None,
+        )
+        if events_path is None:
+            index["experiments_skipped"].append(f"{shape}-{mode}: no events in {base.dirname}")
+            continue
+        windows = base.run.get("windows") or {}
+        lines = read_events(events_path)
+        counts = count_windows(windows)
+        version = index.get("vllm_version")
+        cc = dict(base.run.get("cache_config_info") or [])
+        block_size = None
+        for labels in cc:
+            m = re.search(r'block_size="(\d+)"', labels)
+            if m:
+                block_size = int(m.group(1))
+        for wl in windows:
+            name = f"{shape}-{mode}-{wl}"
+            exp = dest / name
+            if exp.exists():
+                shutil.rmtree(exp)
+            exp.mkdir(parents=True)
+            entries: list[dict[str, Any]] = []
+            used: set[str] = set()
+            for r in [base, *sorted(offloads, key=lambda x: (x.offload_bytes, x.dirname))]:
+                before = r.root / f"metrics_before_{wl}.txt"
+                after = r.root / f"metrics_after_{wl}.txt"
+                if not (before.exists() and after.exists()):
+                    index["experiments_skipped"].append(f"{name}: {r.dirname} lacks {wl}")
+                    continue
+                rd = run_dir_name(r)
+                while rd in used:
+                    rd += "x"
+                used.add(rd)
+                (exp / rd).mkdir()
+                gzip_file(before, exp / rd / "metrics_before.txt.gz")
+                gzip_file(after, exp / rd / "metrics_after.txt.gz")
+                (exp / rd / "cmd.txt").write_text(scrub(r.cmd, work_dir_of(r.cmd)))
+                entry: dict[str, Any] = {
+                    "dir": rd,
+                    "config": r.name,
+                    "data": f"../{r.dirname}",
+                    "call": r.call,
+                }
+                if r is base:
+                    # The whole stream: the caches carry over from the earlier workloads, so
+                    # the comparison replays everything and counts the workload's batches.
+                    with lzma.open(exp / rd / "kv-events.jsonl.xz", "wt", preset=9) as fh:
+                        fh.write("".join(ln + "\n" for ln in lines))
+                    entry["count"] = list(counts[wl])
+                    entry["workload_window"] = windows[wl]
+                    entry["count_messages"] = count_messages(lines, counts[wl])
+                else:
+                    entry["offload_bytes"] = r.offload_bytes
+                    entry["kv_offloading_size"] = r.offload_flag
+                    ex = r.extra
+                    if ex.get("eviction_policy"):
+                        entry["eviction_policy"] = ex["eviction_policy"]
+                    if ex.get("store_threshold"):
+                        entry["store_threshold"] = int(ex["store_threshold"])
+                    other = set(ex) - {"eviction_policy", "store_threshold"}
+                    if other:
+                        entry["whatif"] = False
+                        entry["why"] = (
+                            f"kv_connector_extra_config {sorted(other)} is not modelled "
+                            "(the simulator is vLLM 0.26's CPU tier alone)"
+                        )
+                        entry["kv_connector_extra_config"] = ex
+                entries.append(entry)
+            spec = {
+                "vllm_version": version,
+                "block_size": block_size,
+                "kv_bytes_per_block": base.run.get("kv_bytes_per_block"),
+                "kv_bytes_per_token": base.run.get("kv_bytes_per_token"),
+                "eviction_policy": "lru",
+                "shape": shape,
+                "mode": mode,
+                "workload": wl,
+                "runs": entries,
+            }
+            (exp / "run.json").write_text(json.dumps(spec, indent=1) + "\n")
+            made.append(name)
+    return made
+
+
+# --- README ------------------------------------------------------------------------------------
+
+
+def recording_section(dest: Path, calls: list[dict[str, Any]], envs: dict[str, str]) -> str:
+    """What was recorded where: generated from the environment and driver logs."""
+    lines = ["", "## This recording (generated)", ""]
+    probe = dest / "gpu_probe.json"
+    if probe.exists():
+        doc = json.loads(probe.read_text())
+        gpu = doc.get("gpu") or {}
+        lines.append(
+            f"- GPU probe (`gpu_probe.json`): {gpu.get('name', '?')}, driver "
+            f"{gpu.get('driver', '?')}, PCIe Gen{gpu.get('link_generation_max', '?')} "
+            f"x{gpu.get('link_width_max', '?')}, torch {doc.get('torch', '?')}, method "
+            f"{doc.get('method', '?')}, status {doc.get('status', '?')}"
+        )
+    env_of = {call: n for n, call in envs.items()}
+    for c in calls:
+        env = c.get("environment") or {}
+        pk = env.get("packages") or {}
+        if not env:
+            continue
+        lines.append(
+            f"- call `{c['label']}`: {env.get('Product Name', '?')}, driver "
+            f"{env.get('Driver Version', '?')}, CUDA {env.get('CUDA Version', '?')}, vLLM "
+            f"{pk.get('vllm', '?')}, torch {pk.get('torch', '?')} (CUDA {pk.get('torch.cuda', '?')}"
+            f"), Python {env.get('python', '?')}, {env.get('nproc', '?')} CPUs; configurations "
+            f"{', '.join(c.get('configs', [])) or '-'}"
+            + (f"; `env/{env_of[c['label']]}/`" if c["label"] in env_of else "")
+        )
+        if c.get("argv"):
+            lines.append(f"  - `{c['argv']}`")
+    exps = sorted(p.parent.name for p in dest.glob("*/run.json") if _is_experiment(p))
+    if exps:
+        lines += ["", "What-if experiments: " + ", ".join(f"`{e}`" for e in exps) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _is_experiment(p: Path) -> bool:
+    try:
+        return "runs" in json.loads(p.read_text())
+    except ValueError:
+        return False
+
+
+def driver_argv(log_text: str) -> str | None:
+    m = re.search(r"driver: (\[.*?\]) budget", log_text)
+    if not m:
+        return None
+    try:
+        argv = json.loads(m.group(1).replace("'", '"'))
+    except ValueError:
+        return None
+    return "python3 " + " ".join(shlex.quote(a) for a in argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,26 +561,74 @@ def main(argv: list[str] | None = None) -> int:
         print("no *.tar.xz found in", [str(p) for p in a.results], file=sys.stderr)
         return 2
     a.dest.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {"sources": {}, "configs": {}, "target_bytes": TARGET_BYTES}
+    index: dict[str, Any] = {
+        "sources": {},
+        "configs": {},
+        "experiments": [],
+        "experiments_skipped": [],
+        "env": {},
+        "target_bytes": TARGET_BYTES,
+    }
+    calls: dict[str, dict[str, Any]] = {}
+    for p in a.results:
+        if p.is_dir():
+            c = calls.setdefault(p.name, {"label": p.name, "configs": []})
+            log = p / "driver.log"
+            if log.exists():
+                c["argv"] = driver_argv(log.read_text(errors="replace"))
+            if (p / "gpu_probe.json").exists():
+                shutil.copy(p / "gpu_probe.json", a.dest / "gpu_probe.json")
+                index["gpu_probe"] = p.name
     env_n = 0
+    taken: dict[str, tuple[str, str]] = {}
+    infos: list[RunInfo] = []
     with tempfile.TemporaryDirectory(prefix="kvoe-fix-") as tmp:
-        for tar_path in tars:
-            index["sources"][f"{tar_path.parent.name}/{tar_path.name}"] = sha256(tar_path)
+        for call, tar_path in tars:
+            index["sources"][f"{call}/{tar_path.name}"] = sha256(tar_path)
             x = Path(tmp) / f"x{len(index['sources'])}"
             with tarfile.open(tar_path, "r:xz") as tar:
                 tar.extractall(x, filter="data")
             for root in sorted(d for d in x.iterdir() if d.is_dir()):
                 if root.name == "env":
-                    convert_env(root, a.dest / "env" / str(env_n))
+                    env_dest = a.dest / "env" / str(env_n)
+                    convert_env(root, env_dest)
+                    log = tar_path.parent / "driver.log"
+                    if log.exists():
+                        shutil.copy(log, env_dest / "driver.log")
+                    index["env"][str(env_n)] = call
+                    envj = root / "environment.json"
+                    if envj.exists():
+                        calls.setdefault(call, {"label": call, "configs": []})["environment"] = (
+                            json.loads(envj.read_text())
+                        )
                     env_n += 1
-                else:
-                    convert_config(root, a.dest, index)
-                    print(f"{root.name}: {index['configs'][root.name]['bytes']} bytes")
+                    continue
+                cmd = (root / "cmd.txt").read_text() if (root / "cmd.txt").exists() else ""
+                run = (
+                    json.loads((root / "run.json").read_text())
+                    if (root / "run.json").exists()
+                    else {}
+                )
+                mode = "eager" if "--enforce-eager" in server_argv(cmd) else "graphs"
+                dirname = dir_name_for(root.name, call, mode, taken)
+                taken[dirname] = (call, mode)
+                taken.setdefault(root.name, (call, mode))
+                convert_config(root, a.dest, index, dirname)
+                calls.setdefault(call, {"label": call, "configs": []})["configs"].append(dirname)
+                print(f"{dirname}: {index['configs'][dirname]['bytes']} bytes")
+                if run.get("windows"):
+                    infos.append(run_info(root, dirname, call, run, cmd))
+        for c in calls.values():
+            if "environment" in c:
+                index["vllm_version"] = (c["environment"].get("packages") or {}).get("vllm")
+        index["experiments"] = build_experiments(a.dest, infos, index)
     if sums:
         (a.dest / "summary.json").write_text(
             json.dumps(merge_summaries(sums), indent=1, default=str) + "\n"
         )
-    shutil.copy(README, a.dest / "README.md")
+    (a.dest / "README.md").write_text(
+        README.read_text() + recording_section(a.dest, list(calls.values()), index["env"])
+    )
     total = sum(p.stat().st_size for p in a.dest.rglob("*") if p.is_file())
     index["total_bytes"] = total
     (a.dest / "INDEX.json").write_text(json.dumps(index, indent=1) + "\n")
