@@ -120,6 +120,56 @@ def recording_rules() -> list[dict[str, str]]:
             "expr": f"({_rate('vllm:prefix_cache_hits_total', by='model_name')}) / "
             f"({_rate('vllm:prefix_cache_queries_total', by='model_name')} > 0)",
         },
+        *backend_recording_rules(),
+    ]
+
+
+TIER = f"{BY}, tier"
+DROPPED = '{outcome=~"dropped_.*"}'
+LMCACHE = "job, instance, served_model_name"
+
+
+def backend_recording_rules() -> list[dict[str, str]]:
+    """The backends' ratios over raw series (docs/backends.md), as the exporter derives them."""
+    queries = _rate("vllm:kv_offload_tiering_chunk_queries_total", by=TIER)
+    # vLLM creates a tier's hit counter at its first hit: no series means 0 hits.
+    hits = (
+        f"({_rate('vllm:kv_offload_tiering_chunk_hits_total', by=TIER)} or "
+        f"sum by ({TIER}) (0 * rate(vllm:kv_offload_tiering_chunk_queries_total[5m])))"
+    )
+    outcomes = "vllm:simple_kv_offload_save_outcomes_total"
+    return [
+        {"record": "kvoffload:tier_hit_ratio:rate5m", "expr": f"{hits} / ({queries} > 0)"},
+        {
+            "record": "kvoffload:tier_read_bandwidth_bytes_per_second:rate5m",
+            "expr": f"{_rate('vllm:kv_offload_tiering_read_bytes_total', by=TIER)} / "
+            f"({_rate('vllm:kv_offload_tiering_read_time_total', by=TIER)} > 0)",
+        },
+        {
+            "record": "kvoffload:tier_write_bandwidth_bytes_per_second:rate5m",
+            "expr": f"{_rate('vllm:kv_offload_tiering_write_bytes_total', by=TIER)} / "
+            f"({_rate('vllm:kv_offload_tiering_write_time_total', by=TIER)} > 0)",
+        },
+        {
+            "record": "kvoffload:simple_offload_dropped_ratio:rate5m",
+            "expr": f"({_rate(outcomes, selector=DROPPED)} or "
+            f"sum by ({BY}) (0 * rate({outcomes}[5m]))) / ({_rate(outcomes)} > 0)",
+        },
+        {
+            "record": "kvoffload:nixl_transfer_bandwidth_bytes_per_second:rate5m",
+            "expr": f"{_rate('vllm:nixl_bytes_transferred_sum')} / "
+            f"({_rate('vllm:nixl_xfer_time_seconds_sum')} > 0)",
+        },
+        {
+            "record": "kvoffload:lmcache_hit_ratio:rate5m",
+            "expr": f"{_rate('lmcache:num_hit_tokens_total', by=LMCACHE)} / "
+            f"({_rate('lmcache:num_requested_tokens_total', by=LMCACHE)} > 0)",
+        },
+        {
+            "record": "kvoffload:lmcache_retrieve_tokens_per_second:rate5m",
+            "expr": f"{_rate('lmcache:num_hit_tokens_total', by=LMCACHE)} / "
+            f"({_rate('lmcache:time_to_retrieve_sum', by=LMCACHE)} > 0)",
+        },
     ]
 
 
@@ -270,6 +320,7 @@ def alerts(th: Thresholds = DEFAULT) -> list[Alert]:
             "The collector is down with errors (a source that is simply absent, such as NVML "
             "without a GPU, does not fire this). The exporter's / page shows the last error.",
         ),
+        *backend_alerts(th),
         Alert(
             "KVEventGaps",
             "increase(kvoffload_kv_events_lost_total[15m]) > 0",
@@ -279,6 +330,58 @@ def alerts(th: Thresholds = DEFAULT) -> list[Alert]:
             "Sequence gaps in vLLM's KV event stream could not be recovered through the "
             "replay endpoint: resident-block counts and the what-if are missing events. "
             "Configure replay_endpoint or raise the publisher's hwm/buffer_steps.",
+        ),
+    ]
+
+
+# Backend alerts (docs/backends.md); each series exists only while its backend is in use.
+SIMPLE_DROPPED_HIGH = 0.5  # half of the classified stores dropped: the CPU pool is too small
+
+
+def backend_alerts(th: Thresholds = DEFAULT) -> list[Alert]:
+    return [
+        Alert(
+            "SecondaryTierNotEarningKeep",
+            f'kvoffload_tier_hit_ratio{{tier!="0:primary"}} < {th.offload_hit_ratio_material:g} '
+            "and on (target, model_name, engine, tier) "
+            "rate(kvoffload_tier_write_bytes_total[10m]) > 1e6",
+            "30m",
+            "warning",
+            "Secondary KV tier {{ $labels.tier }} is written to but almost never hit on " + ENGINE,
+            "Only {{ $value | humanizePercentage }} of the chunk lookups that reach tier "
+            "{{ $labels.tier }} hit, while more than 1 MB/s is cascaded into it: the tier costs "
+            "storage bandwidth and capacity without serving prompts. Check that its prefixes "
+            "come back at all, or drop it from secondary_tiers.",
+        ),
+        Alert(
+            "SimpleOffloadDroppingStores",
+            f"kvoffload_simple_offload_dropped_ratio > {SIMPLE_DROPPED_HIGH:g}",
+            "15m",
+            "warning",
+            f"SimpleCPUOffloadConnector drops most stores on {ENGINE}",
+            "{{ $value | humanizePercentage }} of the store decisions dropped the block "
+            "(dropped_cpu_full when the CPU pool is full): prefixes never reach the offload "
+            "tier. Grow cpu_bytes_to_use / --kv-offloading-size or check the outcome split.",
+        ),
+        Alert(
+            "NixlTransfersFailing",
+            "increase(kvoffload_nixl_failed_transfers_total[10m]) > 0",
+            "10m",
+            "warning",
+            f"NIXL KV transfers are failing on {ENGINE}",
+            "{{ $value | humanize }} NIXL transfers (handshakes and notifications included) "
+            "failed in the last 10 minutes: the affected requests recompute their prefill or "
+            "fail. Check the prefill/decode link, UCX transports and the NIXL handshake.",
+        ),
+        Alert(
+            "DisaggregationSlowerThanRecompute",
+            "kvoffload_nixl_transfer_speedup_ratio < 1",
+            "30m",
+            "warning",
+            f"Moving KV over NIXL is slower than recomputing it on {ENGINE}",
+            'KV arrives from the prefill engine at {{ $value | printf "%.2f" }}x the speed this '
+            "model recomputes it: disaggregated prefill is slower than one engine here. It "
+            "pays only over a fast KV path (NVLink, RDMA); see kvoffload_nixl_link_info.",
         ),
     ]
 

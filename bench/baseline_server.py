@@ -28,8 +28,9 @@ def to_client_families(families: Iterable[Family]) -> list[Metric]:
             continue
         metric: Metric
         if d.type == "counter":
-            metric = CounterMetricFamily(d.name.removesuffix("_total"), d.help,
-                                         labels=list(d.labels))
+            metric = CounterMetricFamily(
+                d.name.removesuffix("_total"), d.help, labels=list(d.labels)
+            )
         else:
             metric = GaugeMetricFamily(d.name, d.help, labels=list(d.labels))
         for values, value in fam.samples:
@@ -66,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     registry.register(Fixed(asyncio.run(build(args.vllm_url))))  # type: ignore[arg-type]
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry),
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(
+            body=generate_latest(registry), content_type="text/plain", charset="utf-8"
+        )
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)

@@ -42,5 +42,7 @@ def data_parallel(engines: int = 8) -> str:
 
 if __name__ == "__main__":
     text = data_parallel()
-    print(f"single engine: {len(single_engine()):,} bytes; 8 engines: {len(text):,} bytes, "
-          f"{text.count(chr(10)):,} lines")
+    print(
+        f"single engine: {len(single_engine()):,} bytes; 8 engines: {len(text):,} bytes, "
+        f"{text.count(chr(10)):,} lines"
+    )

@@ -15,8 +15,8 @@ import asyncio
 import resource
 import sys
 import time
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 from bench.common import median, table
@@ -35,8 +35,9 @@ def corpus_server(engines: int) -> Iterator[str]:
 
     port = free_port()
     log = Path(tempfile.mkdtemp()) / "corpus.log"
-    proc = start([sys.executable, "-m", "bench.serve_corpus", str(port), "--engines",
-                  str(engines)], log)
+    proc = start(
+        [sys.executable, "-m", "bench.serve_corpus", str(port), "--engines", str(engines)], log
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/metrics", 30, proc, log)
         yield f"http://127.0.0.1:{port}"
@@ -69,7 +70,8 @@ def baseline_parser() -> Iterator[None]:
 async def cycle_cpu(url: str, targets: int, cycles: int) -> float:
     cfg = Config(
         targets=tuple(TargetConfig(url=url, name=f"t{i}") for i in range(targets)),
-        interval=1.0, window=300.0,
+        interval=1.0,
+        window=300.0,
     )
     cfg = replace(cfg, scrape_timeout=30.0)
     exp = Exporter(cfg, build_sources(cfg))
@@ -101,12 +103,23 @@ def main(argv: list[str] | None = None) -> int:
             ours = asyncio.run(cycle_cpu(url, n, args.cycles))
             with baseline_parser():
                 base = asyncio.run(cycle_cpu(url, n, max(2, args.cycles // 3)))
-            rows.append((str(n), f"{ours * 1e3:.1f} ms", f"{ours / n * 1e3:.2f} ms",
-                         f"{base * 1e3:.1f} ms", f"{base / ours:.1f}x"))
+            rows.append(
+                (
+                    str(n),
+                    f"{ours * 1e3:.1f} ms",
+                    f"{ours / n * 1e3:.2f} ms",
+                    f"{base * 1e3:.1f} ms",
+                    f"{base / ours:.1f}x",
+                )
+            )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{args.engines} engines per target, median over {args.cycles} cycles")
-    print(table(rows, ("targets", "CPU per cycle", "per target", "baseline parser",
-                       "speedup vs baseline")))
+    print(
+        table(
+            rows,
+            ("targets", "CPU per cycle", "per target", "baseline parser", "speedup vs baseline"),
+        )
+    )
     print(f"peak RSS of the benchmark process: {rss:.0f} MiB")
     return 0
 

@@ -13,7 +13,7 @@ import argparse
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import median, measure, table
+from bench.common import measure, median, table
 from bench.corpus import data_parallel, single_engine
 from exporter import expfmt
 from exporter.vllm_metrics import WANTED, normalise
@@ -53,8 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         (name, f"{o * 1e3:.2f} ms", f"{b * 1e3:.2f} ms", f"{r:.1f}x")
         for name, o, b, r in run(args.repeats)
     ]
-    print(table(rows, ("corpus", "exporter parser (median)", "prometheus_client (median)",
-                       "speedup vs baseline")))
+    print(
+        table(
+            rows,
+            (
+                "corpus",
+                "exporter parser (median)",
+                "prometheus_client (median)",
+                "speedup vs baseline",
+            ),
+        )
+    )
     return 0
 
 

@@ -36,7 +36,10 @@ def rss_mib(pid: int) -> float:
 def with_wrk(url: str, connections: int, duration: int) -> dict[str, float]:
     out = subprocess.run(
         ["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency", "--timeout", "10s", url],
-        capture_output=True, text=True, check=True, timeout=duration + 60,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=duration + 60,
     ).stdout
     res: dict[str, float] = {}
     for pct in ("50", "99"):
@@ -65,8 +68,7 @@ async def _client(url: str, connections: int, duration: float) -> dict[str, floa
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(worker(session) for _ in range(connections)))
     lat.sort()
-    return {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99)],
-            "rps": len(lat) / duration}
+    return {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99)], "rps": len(lat) / duration}
 
 
 def load(url: str, connections: int, duration: int) -> dict[str, float]:
@@ -84,17 +86,32 @@ def main(argv: list[str] | None = None) -> int:
     corpus_port, exp_port, base_port = free_port(), free_port(), free_port()
     procs = []
     try:
-        corpus = start([sys.executable, "-m", "bench.serve_corpus", str(corpus_port)],
-                       work / "corpus.log")
+        corpus = start(
+            [sys.executable, "-m", "bench.serve_corpus", str(corpus_port)], work / "corpus.log"
+        )
         procs.append(corpus)
         wait_http(f"http://127.0.0.1:{corpus_port}/metrics", 30, corpus)
         vllm = f"http://127.0.0.1:{corpus_port}"
-        exporter = start([sys.executable, "-m", "exporter", "--vllm-url", vllm, "--listen",
-                          f"127.0.0.1:{exp_port}", "--interval", "1"], work / "exporter.log")
+        exporter = start(
+            [
+                sys.executable,
+                "-m",
+                "exporter",
+                "--vllm-url",
+                vllm,
+                "--listen",
+                f"127.0.0.1:{exp_port}",
+                "--interval",
+                "1",
+            ],
+            work / "exporter.log",
+        )
         procs.append(exporter)
         wait_http(f"http://127.0.0.1:{exp_port}/readyz", 30, exporter)
-        baseline = start([sys.executable, "-m", "bench.baseline_server", vllm, str(base_port)],
-                         work / "baseline.log")
+        baseline = start(
+            [sys.executable, "-m", "bench.baseline_server", vllm, str(base_port)],
+            work / "baseline.log",
+        )
         procs.append(baseline)
         wait_http(f"http://127.0.0.1:{base_port}/metrics", 30, baseline)
 
@@ -106,16 +123,30 @@ def main(argv: list[str] | None = None) -> int:
         for p in reversed(procs):
             stop(p)
     rows = [
-        ("exporter (cached exposition)", f"{ours['p50'] * 1e3:.2f} ms",
-         f"{ours['p99'] * 1e3:.2f} ms", f"{ours['rps']:,.0f}", f"{ours_rss:.0f} MiB"),
-        ("baseline (render per scrape)", f"{base['p50'] * 1e3:.2f} ms",
-         f"{base['p99'] * 1e3:.2f} ms", f"{base['rps']:,.0f}", f"{base_rss:.0f} MiB"),
+        (
+            "exporter (cached exposition)",
+            f"{ours['p50'] * 1e3:.2f} ms",
+            f"{ours['p99'] * 1e3:.2f} ms",
+            f"{ours['rps']:,.0f}",
+            f"{ours_rss:.0f} MiB",
+        ),
+        (
+            "baseline (render per scrape)",
+            f"{base['p50'] * 1e3:.2f} ms",
+            f"{base['p99'] * 1e3:.2f} ms",
+            f"{base['rps']:,.0f}",
+            f"{base_rss:.0f} MiB",
+        ),
     ]
-    print(f"{args.connections} concurrent scrapers for {args.duration} s on 127.0.0.1 "
-          f"({'wrk' if shutil.which('wrk') else 'aiohttp client'})")
+    print(
+        f"{args.connections} concurrent scrapers for {args.duration} s on 127.0.0.1 "
+        f"({'wrk' if shutil.which('wrk') else 'aiohttp client'})"
+    )
     print(table(rows, ("server", "p50", "p99", "requests/s", "RSS after")))
-    print(f"p99 ratio baseline/exporter: {base['p99'] / ours['p99']:.1f}x; "
-          f"throughput ratio: {ours['rps'] / base['rps']:.1f}x")
+    print(
+        f"p99 ratio baseline/exporter: {base['p99'] / ours['p99']:.1f}x; "
+        f"throughput ratio: {ours['rps'] / base['rps']:.1f}x"
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """Serve the benchmark corpus as a stand-in vLLM /metrics in its own process.
 
-    python -m bench.serve_corpus PORT [--engines N]
+python -m bench.serve_corpus PORT [--engines N]
 """
 
 from __future__ import annotations

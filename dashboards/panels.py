@@ -40,6 +40,7 @@ LIVE = frozenset({Scenario.LIVE})
 OFFLOAD = frozenset({Scenario.OFFLOAD})
 GPU = frozenset({Scenario.GPU})
 BOTH = frozenset({Scenario.LIVE, Scenario.OFFLOAD})
+BACKENDS = frozenset({Scenario.BACKENDS})
 
 DATASOURCE_UID = "kvoe-prometheus"
 # The runbooks (docs/runbooks.md) as operators reach them from Grafana. One constant:
@@ -529,6 +530,338 @@ DECISION = Dashboard(
 )
 
 # ---------------------------------------------------------------------------------------
+# 2b. KV transfer backends (rows of the transfers dashboard, docs/backends.md)
+# ---------------------------------------------------------------------------------------
+
+# Grafana's v1 dashboard schema has no conditional rows: each backend's row is always there
+# and its queries only return series while that backend runs, so an unused row stays empty.
+UNUSED = " Empty unless an engine runs it."
+
+BACKEND_ROWS: tuple[Row, ...] = (
+    Row(
+        "Backends: KV connector and policy",
+        (
+            Panel(
+                key="transfers.backend_config",
+                title="KV connector, spec, policy and tiers per engine",
+                kind="table",
+                unit="none",
+                width=24,
+                height=6,
+                description=(
+                    "What each engine runs: the KV connector (OffloadingConnector, "
+                    "SimpleCPUOffloadConnector, LMCache, NixlConnector, none), the offloading "
+                    "spec, eviction policy, store_threshold and tiers, read from vLLM's command "
+                    "line (or inferred from its series; 'unknown' where they cannot tell)."
+                ),
+                queries=(
+                    Query(
+                        "max by (target, model_name, engine, connector, spec, eviction_policy, "
+                        f"store_threshold, tiers) (kvoffload_offload_config_info{{{ENGINE}}})",
+                        instant=True,
+                        table=True,
+                    ),
+                ),
+                hidden_columns=("Time", "Value"),
+                see_also=("kvoe-decision",),
+                scenarios=BACKENDS,
+            ),
+            Panel(
+                key="transfers.whatif_policy",
+                title="What-if: eviction policy and store_threshold",
+                kind="barchart",
+                unit="percentunit",
+                min=0,
+                max=1,
+                width=24,
+                x_field="policy",
+                axis_label="simulated offload hit ratio",
+                description=(
+                    "The offload hit ratio the CPU tier would reach with each eviction policy "
+                    "(lru, arc) and store_threshold (0, 2), replayed from the engine's KV events "
+                    "at the configured buffer (with offload off: at the advisor's recommended "
+                    "size). The advisor names a setting that serves materially more." + UNUSED
+                ),
+                queries=(
+                    Query(
+                        f"last_over_time(kvoffload_whatif_policy_hit_ratio{{{ENGINE}}}[$__range])",
+                        instant=True,
+                        table=True,
+                    ),
+                ),
+                scenarios=GPU,
+            ),
+        ),
+    ),
+    Row(
+        "Tiering (TieringOffloadingSpec)",
+        (
+            Panel(
+                key="transfers.tier_hit_ratio",
+                title="Tier hit ratio",
+                kind="timeseries",
+                unit="percentunit",
+                min=0,
+                max=1,
+                width=8,
+                description=(
+                    "Share of chunk lookups each tier answered (vLLM 0.32+ per-tier counters). "
+                    "A secondary tier only sees what the CPU primary (0:primary) missed; near 0 "
+                    "while chunks are written to it, it does not earn its keep." + UNUSED
+                ),
+                queries=(Query(f"kvoffload_tier_hit_ratio{{{ENGINE}}}", "{{tier}} " + EL),),
+                steps=low_is_bad(T.offload_hit_ratio_material),
+                runbooks=("SecondaryTierNotEarningKeep",),
+                scenarios=BACKENDS,
+            ),
+            Panel(
+                key="transfers.tier_bandwidth",
+                title="Tier read and write bandwidth",
+                kind="timeseries",
+                unit="Bps",
+                min=0,
+                width=8,
+                description=(
+                    "Bytes per second of transfer time: reads are promotions from a secondary "
+                    "tier into the CPU primary (a hit being served), writes are cascades of "
+                    "evicted CPU chunks into the tier. Slow reads delay the requests that wait "
+                    "for the promotion." + UNUSED
+                ),
+                queries=(
+                    Query(
+                        f"kvoffload_tier_read_bandwidth_bytes_per_second{{{ENGINE}}}",
+                        "read {{tier}} " + EL,
+                    ),
+                    Query(
+                        f"kvoffload_tier_write_bandwidth_bytes_per_second{{{ENGINE}}}",
+                        "write {{tier}} " + EL,
+                    ),
+                ),
+                scenarios=BACKENDS,
+            ),
+            Panel(
+                key="transfers.tier_lookup_latency",
+                title="Tier lookup latency (p99)",
+                kind="timeseries",
+                unit="s",
+                log_scale=True,
+                width=8,
+                description=(
+                    "Time the scheduler blocks in tier lookups "
+                    "(vllm:kv_offload_tiering_lookup_sync_delay_seconds, p99; per tier from vLLM "
+                    "0.32, one series per engine in 0.26). On the scheduling path of every "
+                    "request that missed the GPU and CPU caches." + UNUSED
+                ),
+                queries=(
+                    Query(
+                        "histogram_quantile(0.99, sum by (le, instance, model_name, engine, "
+                        "tier) ("
+                        + rate("vllm:kv_offload_tiering_lookup_sync_delay_seconds_bucket", VLLM)
+                        + "))",
+                        "p99 {{tier}} " + VL,
+                    ),
+                ),
+                scenarios=BACKENDS,
+            ),
+        ),
+    ),
+    Row(
+        "Simple CPU offload (SimpleCPUOffloadConnector)",
+        (
+            Panel(
+                key="transfers.simple_outcomes",
+                title="Simple offload store decisions",
+                kind="timeseries",
+                unit="ops",
+                min=0,
+                width=12,
+                stack=True,
+                description=(
+                    "Store decisions per second by outcome "
+                    "(vllm:simple_kv_offload_save_outcomes_total, vLLM 0.32+): stored, dropped "
+                    "(cpu_full, request_gone, null_block, not_hashed) or skipped (already "
+                    "cached, in flight). dropped_cpu_full growing means the pool is too small."
+                    + UNUSED
+                ),
+                queries=(
+                    Query(
+                        "sum by (instance, model_name, engine, outcome) ("
+                        + rate("vllm:simple_kv_offload_save_outcomes_total", VLLM)
+                        + ")",
+                        "{{outcome}} " + VL,
+                    ),
+                ),
+                scenarios=BACKENDS,
+            ),
+            Panel(
+                key="transfers.simple_ratios",
+                title="Simple offload: stored and dropped share",
+                kind="timeseries",
+                unit="percentunit",
+                min=0,
+                max=1,
+                width=12,
+                description=(
+                    "Share of classified store decisions that stored the block and that "
+                    "dropped it, over the exporter's window. More than half dropped for 15 "
+                    "minutes fires SimpleOffloadDroppingStores." + UNUSED
+                ),
+                queries=(
+                    Query(f"kvoffload_simple_offload_stored_ratio{{{ENGINE}}}", "stored " + EL),
+                    Query(f"kvoffload_simple_offload_dropped_ratio{{{ENGINE}}}", "dropped " + EL),
+                ),
+                runbooks=("SimpleOffloadDroppingStores",),
+                scenarios=BACKENDS,
+            ),
+        ),
+    ),
+    Row(
+        "LMCache",
+        (
+            Panel(
+                key="transfers.lmcache_throughput",
+                title="LMCache retrieve and store throughput",
+                kind="timeseries",
+                unit="si:tok/s",
+                min=0,
+                width=12,
+                description=(
+                    "Tokens per second of LMCache's own retrieve and store time "
+                    "(lmcache:num_hit_tokens_total / time_to_retrieve, num_stored_tokens_total / "
+                    "time_to_store; TP workers count the same tokens, so one worker's view). The "
+                    "retrieve rate is the transfer rate the advisor weighs against recompute."
+                    + UNUSED
+                ),
+                queries=(
+                    Query(
+                        f"kvoffload_lmcache_retrieve_tokens_per_second{{{ENGINE}}}",
+                        "retrieve " + EL,
+                    ),
+                    Query(f"kvoffload_lmcache_store_tokens_per_second{{{ENGINE}}}", "store " + EL),
+                ),
+                scenarios=BACKENDS,
+            ),
+            Panel(
+                key="transfers.lmcache_hit_ratio",
+                title="LMCache: prompt tokens served and lookup hit ratio",
+                kind="timeseries",
+                unit="percentunit",
+                min=0,
+                max=1,
+                width=12,
+                description=(
+                    "For engines whose connector is LMCache: the share of all prompt tokens "
+                    "vLLM loaded through it (external_kv_transfer, the offload hit ratio of the "
+                    "other backends) and the share of the tokens LMCache was asked for that it "
+                    "had." + UNUSED
+                ),
+                queries=(
+                    Query(
+                        f"kvoffload_offload_hit_ratio{{{ENGINE}}} and on (target, model_name, "
+                        "engine) kvoffload_offload_config_info"
+                        f'{{{ENGINE}, connector=~"LMCache.*"}}',
+                        "prompt tokens " + EL,
+                    ),
+                    Query(
+                        f"kvoffload_offload_lookup_hit_ratio{{{ENGINE}}} and on (target, "
+                        "model_name, engine) kvoffload_offload_config_info"
+                        f'{{{ENGINE}, connector=~"LMCache.*"}}',
+                        "lookups " + EL,
+                    ),
+                ),
+                scenarios=BACKENDS,
+            ),
+        ),
+    ),
+    Row(
+        "Disaggregated prefill (NixlConnector)",
+        (
+            Panel(
+                key="transfers.nixl_bandwidth",
+                title="NIXL KV transfer bandwidth",
+                kind="timeseries",
+                unit="Bps",
+                min=0,
+                width=6,
+                description=(
+                    "KV bytes between prefill and decode engines per second of transfer time "
+                    "(vllm:nixl_bytes_transferred / vllm:nixl_xfer_time_seconds), per worker. "
+                    "NVLink and RDMA reach tens of GB/s; TCP a few GB/s at best." + UNUSED
+                ),
+                queries=(
+                    Query(f"kvoffload_nixl_transfer_bandwidth_bytes_per_second{{{ENGINE}}}", EL),
+                ),
+                scenarios=BACKENDS,
+            ),
+            Panel(
+                key="transfers.nixl_speedup",
+                title="NIXL transfer vs recompute",
+                kind="timeseries",
+                unit="suffix:×",
+                min=0,
+                width=6,
+                description=(
+                    "KV transfer tokens/s over the model's marginal recompute tokens/s (a "
+                    "decode engine takes the rate of a prefill engine of the same model). "
+                    "Below 1 (red) moving the KV costs more than computing it again: "
+                    "disaggregation is slower than one engine." + UNUSED
+                ),
+                queries=(Query(f"kvoffload_nixl_transfer_speedup_ratio{{{ENGINE}}}", EL),),
+                steps=low_is_bad(LOCAL_STEPS["up"]),
+                threshold_lines=True,
+                runbooks=("DisaggregationSlowerThanRecompute",),
+                scenarios=BACKENDS,
+            ),
+            Panel(
+                key="transfers.nixl_failures",
+                title="NIXL failed transfers",
+                kind="timeseries",
+                unit="ops",
+                min=0,
+                width=6,
+                description=(
+                    "Failed NIXL transfers per second, handshake and notification failures "
+                    "included (vLLM counts them together). The affected requests recompute "
+                    "their prompt or fail." + UNUSED
+                ),
+                queries=(
+                    Query(
+                        "sum by (target, model_name, engine) ("
+                        + rate("kvoffload_nixl_failed_transfers_total")
+                        + ")",
+                        EL,
+                    ),
+                ),
+                runbooks=("NixlTransfersFailing",),
+                scenarios=BACKENDS,
+            ),
+            Panel(
+                key="transfers.nixl_link",
+                title="NIXL KV path",
+                kind="table",
+                unit="none",
+                width=6,
+                description=(
+                    "The KV path between prefill and decode where it can be known: nvlink, "
+                    "rdma (UCX_TLS names verbs transports), cuda_ipc, tcp, or unknown "
+                    "(docs/backends.md says how it is determined)." + UNUSED
+                ),
+                queries=(
+                    Query(
+                        "max by (target, model_name, engine, link) "
+                        f"(kvoffload_nixl_link_info{{{ENGINE}}})",
+                        instant=True,
+                        table=True,
+                    ),
+                ),
+                hidden_columns=("Time", "Value"),
+                scenarios=BACKENDS,
+            ),
+        ),
+    ),
+)
+
+# ---------------------------------------------------------------------------------------
 # 2. Transfers
 # ---------------------------------------------------------------------------------------
 
@@ -911,6 +1244,7 @@ TRANSFERS = Dashboard(
                 ),
             ),
         ),
+        *BACKEND_ROWS,
     ),
 )
 

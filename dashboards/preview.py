@@ -40,11 +40,12 @@ from dashboards.spec import Dashboard, Panel, Scenario
 
 REPO = Path(__file__).resolve().parent.parent
 JSON_DIR = REPO / "dashboards" / "json"
-ORDER = (Scenario.LIVE, Scenario.OFFLOAD, Scenario.GPU)
+ORDER = (Scenario.LIVE, Scenario.OFFLOAD, Scenario.GPU, Scenario.BACKENDS)
 SCENARIO_NOTE = {
     Scenario.LIVE: "live vLLM CPU",
     Scenario.OFFLOAD: "H200 offload replay",
     Scenario.GPU: "GPU recording",
+    Scenario.BACKENDS: "backends replay",
 }
 COLORS = {
     "green": "#56a64b",
@@ -455,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ExitStack() as stack:
         data: dict[Scenario, Data] = {}
         data[Scenario.OFFLOAD] = stack.enter_context(scenarios.offload(work / "offload"))
+        data[Scenario.BACKENDS] = stack.enter_context(scenarios.backends(work / "backends"))
         vllm = VllmServer(work / "vllm", kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}").start(
             timeout=900
         )

@@ -10,11 +10,17 @@ offload  the H200 offload run (tests/fixtures/vllm-0.26.0-h200/b_offload): vLLM'
          per-second rates are not (the run took ~3 s; the time axis is stretched).
 gpu      recorded GPU runs with NVML, /proc and cgroup data under tests/fixtures/gpu/
          (not recorded yet: panels proven only here are reported as pending).
+backends the KV transfer backends (docs/backends.md): recorded vLLM 0.26 H200 runs (the fs
+         tiering spec; the 32B shape without offload as the prefill engine beside the NIXL
+         decode engines) and vLLM 0.32 tiering, simple offload and NIXL expositions plus
+         LMCache's, synthesized from the upstream definitions (tests/fixtures/backends/),
+         41 scrapes 15 s apart through one real exporter, backfilled next to the raw series.
 """
 
 from __future__ import annotations
 
 import json
+import lzma
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,6 +86,63 @@ def offload(workdir: Path) -> Iterator[Data]:
             end=end,
             scrape_interval=OFFLOAD_STEP,
             note="H200 offload run (vLLM 0.26), replayed through the exporter",
+        )
+    finally:
+        prom.stop()
+
+
+BACKENDS_DIR = REPO / "tests" / "fixtures" / "backends"
+# target -> (synthesized fixture name, or recorded GPU configuration), KV bytes per token
+BACKEND_TARGETS: dict[str, tuple[str, float | None]] = {
+    "tiering-032:8000": ("vllm-0.32-tiering", None),
+    "simple-032:8000": ("vllm-0.32-simple", None),
+    "nixl-rdma-032:8000": ("vllm-0.32-nixl-rdma", None),
+    "nixl-tcp-032:8000": ("vllm-0.32-nixl-tcp", None),
+    "lmcache:8000": ("lmcache-v1-tp2", None),
+    "h200-tier:8000": ("small-tier", 114_688.0),
+    "h200-prefill-32b:8000": ("large-a", 262_144.0),
+}
+
+
+def _recorded_bodies(config: str, n: int) -> list[str]:
+    """n of a recorded run's 1 s /metrics bodies, evenly spaced, first and last included."""
+    path = GPU_RUNS / config / "vllm_metrics.jsonl.xz"
+    with lzma.open(path, "rt", encoding="utf-8") as fh:
+        bodies = [r["body"] for r in map(json.loads, fh) if r.get("status") == 200]
+    n = min(n, len(bodies))
+    return [bodies[round(i * (len(bodies) - 1) / (n - 1))] for i in range(n)]
+
+
+def backends_series(end: float) -> list[backfill.Series]:
+    series: list[backfill.Series] = []
+    recordings: list[backfill.Recording] = []
+    for target, (name, bpt) in BACKEND_TARGETS.items():
+        synth = BACKENDS_DIR / f"{name}.before.prom"
+        if synth.exists():
+            texts = backfill.interpolate(
+                synth.read_text(), (BACKENDS_DIR / f"{name}.after.prom").read_text(), OFFLOAD_STEPS
+            )
+        else:
+            texts = _recorded_bodies(name, OFFLOAD_STEPS + 1)
+        scrapes = backfill.evenly(texts, end, OFFLOAD_STEP)
+        series.append(backfill.Series("vllm", target, scrapes))
+        recordings.append(backfill.Recording(target, scrapes, kv_bytes_per_token=bpt))
+    series.append(backfill.run_exporter(recordings, interval=OFFLOAD_STEP, window=600.0))
+    return series
+
+
+@contextmanager
+def backends(workdir: Path) -> Iterator[Data]:
+    end = backfill.recent_end()
+    prom = backfill.backfilled_prometheus(workdir, backends_series(end))
+    try:
+        yield Data(
+            Scenario.BACKENDS,
+            prom,
+            start=end - OFFLOAD_STEP * OFFLOAD_STEPS - 60,
+            end=end,
+            scrape_interval=OFFLOAD_STEP,
+            note="KV transfer backends: recorded vLLM 0.26 runs and synthesized 0.32/LMCache",
         )
     finally:
         prom.stop()

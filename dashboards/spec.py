@@ -18,6 +18,9 @@ class Scenario(StrEnum):
     LIVE = "live"  # real vLLM CPU (offload off) + the exporter + Prometheus scraping both
     OFFLOAD = "offload"  # recorded H200 offload run, replayed through the exporter, backfilled
     GPU = "gpu"  # recorded GPU runs with NVML and /proc data (tests/fixtures/gpu/)
+    # KV transfer backends: recorded vLLM 0.26 runs (tiering, 32B prefill) and vLLM 0.32 /
+    # LMCache expositions synthesized from the upstream definitions, replayed and backfilled
+    BACKENDS = "backends"
 
 
 # Label filters every query carries. Exporter series (job $job) name the vLLM server in

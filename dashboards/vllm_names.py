@@ -46,10 +46,26 @@ VLLM_METRICS: dict[str, tuple[str, str]] = {
     "vllm:kv_offload_cpu_cache_usage_perc": ("gauge", "CPU space pinned by transfers"),
     "vllm:kv_offload_cpu_cache_write_usage_perc": ("gauge", "CPU space pinned by stores"),
     "vllm:kv_offload_cpu_cache_read_usage_perc": ("gauge", "CPU space pinned by loads"),
+    # KV transfer backends (docs/backends.md): TieringOffloadingSpec (lookup delay since
+    # 0.26, per tier from 0.32) and SimpleCPUOffloadConnector (0.32+), from vLLM 0.32.0's
+    # source (.venv-vllm); the tiering histogram was recorded from 0.26 on the H200.
+    "vllm:kv_offload_tiering_lookup_sync_delay_seconds": (
+        "histogram",
+        "time blocked in one tier lookup",
+    ),
+    "vllm:simple_kv_offload_save_outcomes_total": ("counter", "simple offload store decisions"),
 }
 
 # Registered only under a condition no recorded run met (store_threshold >= 2).
-CONDITIONAL = frozenset({"vllm:kv_offload_stores_skipped_total"})
+CONDITIONAL = frozenset(
+    {
+        "vllm:kv_offload_stores_skipped_total",
+        # registered only by their backend; recorded in tests/fixtures/gpu/small-tier and
+        # synthesized in tests/fixtures/backends/ (test_backends.py checks them there)
+        "vllm:kv_offload_tiering_lookup_sync_delay_seconds",
+        "vllm:simple_kv_offload_save_outcomes_total",
+    }
+)
 
 _SUFFIXES = {"histogram": ("_bucket", "_sum", "_count")}
 

@@ -8,6 +8,7 @@ evaluations in a row before it replaces the current one, so advice does not flap
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,12 +61,25 @@ class MemoryState:
 
 
 @dataclass(frozen=True, slots=True)
+class PolicyPoint:
+    """The what-if hit ratio of one eviction policy and store threshold at one size."""
+
+    policy: str  # lru | arc
+    store_threshold: int  # 0 = off
+    cpu_buffer_bytes: float
+    hit_ratio: float  # hit tokens / all prompt tokens
+    configured: bool = False  # the engine runs with this policy and threshold
+
+
+@dataclass(frozen=True, slots=True)
 class AdvisorInput:
     derived: EngineDerived
     covered_seconds: float
     whatif: WhatIfState | None = None
     memory: MemoryState | None = None
     pcie_utilization: float | None = None  # busiest direction of the busiest GPU, 0..1
+    # The same traffic replayed with each policy/threshold (explanations only, no action).
+    policy_alternatives: tuple[PolicyPoint, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +90,45 @@ class Advice:
     recommended_buffer_bytes: float | None = None
     numbers: Mapping[str, float | None] = field(default_factory=dict)
     candidate: Action | None = None  # what the latest evaluation alone would say
+
+
+# Reasons after which a better eviction policy changes nothing: reloads do not pay at all,
+# or the evidence is missing.
+_NO_POLICY_NOTE = frozenset(
+    {"reload_slower_than_recompute", "reload_gain_too_small", "memory_near_limit"}
+)
+
+
+def _policy_label(p: PolicyPoint) -> str:
+    return f"eviction_policy {p.policy}" + (
+        f", store_threshold {p.store_threshold}" if p.store_threshold >= 2 else ""
+    )
+
+
+def _policy_note(inp: AdvisorInput, th: Thresholds, action: Action, reason: str) -> str:
+    """A sentence naming a policy/threshold the what-if says serves materially more."""
+    alts = inp.policy_alternatives
+    if not alts or action == Action.INSUFFICIENT_DATA or reason in _NO_POLICY_NOTE:
+        return ""
+    # Ties go to the simpler setting: LRU, then no threshold.
+    best = max(alts, key=lambda p: (p.hit_ratio, p.policy == "lru", -p.store_threshold))
+    base = next((p for p in alts if p.configured), None)
+    if base is None:
+        if action != Action.ENABLE_OFFLOAD:
+            return ""
+        base = next((p for p in alts if p.policy == "lru" and p.store_threshold < 2), None)
+    if base is None or best.hit_ratio - base.hit_ratio < th.whatif_gain_material:
+        return ""
+    extra: dict[str, object] = {"eviction_policy": best.policy}
+    if best.store_threshold != base.store_threshold:
+        extra["store_threshold"] = best.store_threshold
+    which = "the configured" if base.configured else "vLLM's default"
+    return (
+        f" The what-if replay at {_gib(best.cpu_buffer_bytes)} serves "
+        f"{_pct(best.hit_ratio)} of prompt tokens with {_policy_label(best)} against "
+        f"{_pct(base.hit_ratio)} with {which} {_policy_label(base)}: set "
+        f"kv_connector_extra_config {json.dumps(extra)}."
+    )
 
 
 def _pct(x: float | None) -> str:
@@ -152,7 +205,11 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["offload_pool_bytes"] = inp.memory.pool_bytes
 
     def advice(action: Action, reason: str, text: str, rec: float | None = None) -> Advice:
-        return Advice(action, reason, text, rec, numbers)
+        return Advice(action, reason, text + _policy_note(inp, th, action, reason), rec, numbers)
+
+    best = max(inp.policy_alternatives, key=lambda p: p.hit_ratio, default=None)
+    if best is not None:
+        numbers["whatif_best_policy_hit_ratio"] = best.hit_ratio
 
     if not d.fresh:
         return advice(
@@ -212,12 +269,13 @@ def _evaluate_on(
     ofit = d.offload_fit
     if ofit is not None:
         bounds = ofit.saving_bounds()
-        speedup = ofit.measured_speedup
         costs = (
             f"a token loaded from the CPU tier costs {ofit.loaded_seconds_per_token * 1e6:.2f} us "
             f"of TTFT and a recomputed one {ofit.computed_seconds_per_token * 1e6:.2f} us"
         )
-        if (bounds is not None and bounds[1] <= 0) or (speedup is not None and speedup < 1.0):
+        slower = bounds is not None and bounds[1] <= 0 and ofit.reload_significantly_costly
+        interval = ofit.speedup_bounds() if ofit.valid else None
+        if slower or (interval is not None and interval[1] < 1.0):
             return advice(
                 Action.DISABLE_OFFLOAD,
                 "reload_slower_than_recompute",
@@ -225,28 +283,45 @@ def _evaluate_on(
                 "recomputing on this model and GPU (fixed per-request cost dominates). Offload "
                 "only adds PCIe traffic and pinned memory here; turn it off.",
             )
-        if speedup is not None and speedup < th.transfer_speedup_min:
+        if interval is not None and interval[1] < th.transfer_speedup_min:
             return advice(
                 Action.DISABLE_OFFLOAD,
                 "reload_gain_too_small",
-                f"Measured from TTFT across the window, {costs}: reloading is only "
-                f"{speedup:.2f}x faster than recomputing (needs {th.transfer_speedup_min:.1f}x), "
-                "too little to pay for the pinned memory and PCIe traffic; turn it off.",
+                f"Measured from TTFT across the window, {costs}: reloading is at most "
+                f"{interval[1]:.2f}x faster than recomputing (needs "
+                f"{th.transfer_speedup_min:.1f}x), too little to pay for the pinned memory and "
+                "PCIe traffic; turn it off.",
             )
-    elif d.transfer_speedup is not None and d.transfer_speedup < 1.0:
+    if (ofit is None or not ofit.valid) and (
+        d.transfer_speedup is not None and d.transfer_speedup < 1.0
+    ):
         return advice(
             Action.DISABLE_OFFLOAD,
             "reload_slower_than_recompute",
-            f"The CPU tier reloads {_rate(d.transfer_tokens_per_second)} but this engine "
-            f"recomputes {_rate(d.recompute_tokens_per_second)} at the margin (speedup "
-            f"{d.transfer_speedup:.2f}): every reload is slower than recomputing. Turn "
-            "offload off.",
+            f"The CPU tier reloads {_rate(d.transfer_tokens_per_second)} but "
+            + (
+                "recomputing costs no measurable time per token on this engine"
+                if d.recompute_negligible
+                else f"this engine recomputes {_rate(d.recompute_tokens_per_second)} at the margin"
+            )
+            + f" (speedup {d.transfer_speedup:.2f}): every reload is slower than recomputing. "
+            "Turn offload off.",
         )
     whatif = inp.whatif
     hit = d.offload_hit_ratio
     if hit is not None and hit < th.offload_hit_ratio_material:
         grow = _bigger_size(inp, th, headroom)
-        if grow is not None:
+        # Too few hits to measure what a reload costs: a bigger buffer is only worth
+        # suggesting when the estimate (as for enabling) clears the same margin.
+        pays = (
+            ofit is not None
+            and ofit.proves_gain
+            and (ofit.measured_speedup or math.inf) >= th.transfer_speedup_min
+        ) or (
+            d.transfer_speedup_lower is not None
+            and d.transfer_speedup_lower >= th.transfer_speedup_min
+        )
+        if grow is not None and pays:
             return advice(
                 Action.GROW_BUFFER,
                 "buffer_too_small",
@@ -255,6 +330,18 @@ def _evaluate_on(
                 f"{_gib(grow.cpu_buffer_bytes)}, which fits the memory headroom.",
                 grow.cpu_buffer_bytes,
             )
+        upper = _estimate_upper(d)
+        if grow is not None and (upper is None or upper >= th.transfer_speedup_min):
+            # A bigger buffer would catch traffic, and a reload may or may not pay: neither
+            # growing nor removing the tier is justified yet.
+            return advice(
+                Action.INSUFFICIENT_DATA,
+                "speedup_uncertain",
+                f"Only {_pct(hit)} of prompt tokens come back from the CPU tier; the what-if "
+                f"replay reaches {_pct(grow.hit_ratio)} with {_gib(grow.cpu_buffer_bytes)}, but "
+                "whether reloads beat recomputing here is not measured precisely enough yet to "
+                "recommend growing the buffer or removing it.",
+            )
         return advice(
             Action.DISABLE_OFFLOAD,
             "no_reuse",
@@ -262,14 +349,17 @@ def _evaluate_on(
             f"{_pct(d.reuse_ratio)} of the bytes stored are ever loaded: offloaded prefixes "
             "are not reused, so offload costs PCIe bandwidth and pinned memory for nothing.",
         )
-    bounds = ofit.saving_bounds() if ofit is not None else None
-    if ofit is None or (bounds is not None and bounds[0] <= 0):
+    if (
+        ofit is None
+        or not ofit.proves_gain
+        or (ofit.measured_speedup or math.inf) < th.transfer_speedup_min
+    ):
         # The copy-time counter alone cannot show that offload pays (the H200 lesson):
         # wait for the TTFT fit to separate loaded from computed tokens with confidence.
         why = (
             "the scrape intervals do not yet vary enough in loaded and computed tokens to "
             "separate their costs"
-            if ofit is None
+            if ofit is None or not ofit.valid or ofit.saving_stderr is None
             else f"the measured saving per loaded token, {ofit.saving_seconds_per_token * 1e6:.1f} "
             f"+- {2 * (ofit.saving_stderr or 0) * 1e6:.1f} us, is not yet distinguishable "
             "from zero"
@@ -326,6 +416,14 @@ def _evaluate_on(
         f"{_pct(hit)} of prompt tokens are served from the CPU tier and reloads beat "
         f"recomputing (speedup {d.transfer_speedup or float('nan'):.2f}).{gain} Keep it.",
     )
+
+
+def _estimate_upper(d: EngineDerived) -> float | None:
+    """Upper end of the estimated copy-based speedup (transfer rate x recompute cost)."""
+    fit = d.prefill_fit
+    if fit is None or fit.upper is None or d.transfer_tokens_per_second is None:
+        return None
+    return max(fit.upper, 0.0) * d.transfer_tokens_per_second
 
 
 def _bigger_size(inp: AdvisorInput, th: Thresholds, headroom: float | None) -> WhatIfPoint | None:
@@ -417,6 +515,24 @@ def _evaluate_off(
             f"of marginal recompute (speedup {d.transfer_speedup:.2f}, below "
             f"{th.transfer_speedup_min:.1f} with fixed per-load costs not yet counted): "
             "offload would not make TTFT better on this model and GPU.",
+        )
+    lower = d.transfer_speedup_lower
+    if lower is None or lower < th.transfer_speedup_min:
+        fit = d.prefill_fit
+        spread = (
+            f" (per-token recompute cost {fit.seconds_per_token * 1e6:.1f} +- "
+            f"{2 * fit.stderr * 1e6:.1f} us over {fit.points} intervals)"
+            if fit is not None and fit.stderr is not None
+            else ""
+        )
+        return advice(
+            Action.INSUFFICIENT_DATA,
+            "speedup_uncertain",
+            f"Evicted prefixes are recomputed ({numbers_share}) and the best estimate says "
+            f"reloading would be {d.transfer_speedup:.1f}x faster than recomputing, but the "
+            f"marginal recompute cost is not yet measured precisely enough{spread} to be sure "
+            f"it clears {th.transfer_speedup_min:.1f}x; more traffic with varied prompt sizes "
+            "narrows it.",
         )
     knee = _knee(whatif.points, headroom, th.whatif_knee_share)
     if knee is None or knee.hit_ratio < th.offload_hit_ratio_material:

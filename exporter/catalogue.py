@@ -130,3 +130,13 @@ class Family:
     @property
     def samples(self) -> list[tuple[tuple[str, ...], float]]:
         return self._samples
+
+    def copy(self) -> Family:
+        out = Family(self._def.name)
+        out._samples = list(self._samples)
+        return out
+
+    def extend(self, other: Family) -> None:
+        if other._def.name != self._def.name:
+            raise ValueError(f"cannot merge {other._def.name} into {self._def.name}")
+        self._samples.extend(other._samples)

@@ -2,6 +2,7 @@
 
 kv-offload-exporter [serve] --vllm-url URL [...]   run the exporter (default)
 kv-offload-exporter serve --check-config ...       validate the configuration, then exit
+kv-offload-exporter whatif --events FILE ...        offload hit ratio per CPU buffer size
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from exporter.logs import log_event, setup_logging
 
 log = logging.getLogger("kvoe.cli")
 
-SUBCOMMANDS = ("serve", "advise")
+SUBCOMMANDS = ("serve", "advise", "whatif")
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -144,4 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_serve(rest)
     if command == "advise":
         return cmd_advise(rest)
+    if command == "whatif":
+        from exporter.whatif_cli import run as cmd_whatif
+
+        return cmd_whatif(rest)
     raise AssertionError(command)

@@ -70,6 +70,7 @@ _DERIVED_COUNTERS: tuple[tuple[str, str], ...] = (
     ("kvoffload_offload_store_bytes_total", "store_bytes"),
     ("kvoffload_offload_load_seconds_total", "load_seconds"),
     ("kvoffload_offload_store_seconds_total", "store_seconds"),
+    ("kvoffload_offload_stores_skipped_total", "stores_skipped"),
 )
 
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")

@@ -21,6 +21,7 @@ import yaml
 from exporter.sources.vllm_http import TargetConfig
 from exporter.thresholds import DEFAULT as DEFAULT_THRESHOLDS
 from exporter.thresholds import Thresholds
+from exporter.webconfig import WebConfigError, load_web_config
 
 DEFAULT_PORT = 9747
 
@@ -163,6 +164,137 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("log-format", "str", "text", "log line format", choices=("text", "json")),
     Option("log-level", "str", "info", "log level", choices=("debug", "info", "warning", "error")),
+    Option("nvml", "bool", True, "collect GPU PCIe byte counters, link state and memory via NVML"),
+    Option(
+        "nvml-poll-interval",
+        "float",
+        0.0,
+        "seconds between reads of NVML's 32-bit PCIe byte counters, which wrap every "
+        "~70 ms at Gen5 x16 line rate (0: 70%% of the wrap time at the link's maximum "
+        "bandwidth, kept within 10-50 ms: 48 ms on Gen5 x16)",
+        "SECONDS",
+    ),
+    Option("procfs", "bool", True, "read vLLM process memory (pinned, shmem) from /proc"),
+    Option("cgroup", "bool", True, "read the vLLM container's memory limit and usage"),
+    Option("path.procfs", "str", "/proc", "procfs mount point", "PATH"),
+    Option("path.cgroup", "str", "/sys/fs/cgroup", "cgroup filesystem mount point", "PATH"),
+    Option("path.shm", "str", "/dev/shm", "the /dev/shm vLLM uses, as mounted here", "PATH"),
+    Option(
+        "vllm-pid",
+        "int",
+        None,
+        "pid of the vLLM API server, for a single target (else targets[].pid; "
+        "default: the process listening on the target's port)",
+        "PID",
+    ),
+    Option(
+        "memory-limit",
+        "bytes",
+        0,
+        "vLLM container memory limit when its cgroup is not visible here (0: from the cgroup)",
+        "SIZE",
+    ),
+    Option(
+        "max-engines-per-target",
+        "int",
+        64,
+        "most (model_name, engine) label sets kept per vLLM target and scrape; the series "
+        "of the others are dropped and counted in kvoffload_target_series_dropped_total",
+        "N",
+    ),
+    Option(
+        "web.config.file",
+        "str",
+        "",
+        "exporter-toolkit web config file: TLS, basic auth, headers, rate limit (docs/security.md)",
+        "FILE",
+    ),
+    Option(
+        "kv-events",
+        "bool",
+        True,
+        "consume vLLM's KV cache events (endpoints below, or discovered from the target) "
+        "and run the what-if simulator",
+    ),
+    Option(
+        "kv-events-endpoint",
+        "list",
+        [],
+        "vLLM KV-event publisher to connect to when vLLM binds (its endpoint tcp://*:5557 -> "
+        "tcp://VLLM_HOST:5557), one per DP rank in rank order; single target (else "
+        "targets[].kv_events_endpoint); default: ask GET /kv_event_sources",
+        "ENDPOINT",
+    ),
+    Option(
+        "kv-events-bind",
+        "list",
+        [],
+        "address to bind for a vLLM that connects to the exporter (its endpoint "
+        "tcp://EXPORTER:5557), one per DP rank (vLLM adds the rank to the port)",
+        "ENDPOINT",
+    ),
+    Option(
+        "kv-events-replay-endpoint",
+        "list",
+        [],
+        "vLLM's KV-event replay endpoint (its replay_endpoint), one per DP rank, "
+        "to recover batches lost in a sequence gap",
+        "ENDPOINT",
+    ),
+    Option(
+        "kv-events-queue",
+        "int",
+        10000,
+        "KV-event batches buffered for the simulator; beyond it batches are dropped and "
+        "counted (kvoffload_kv_events_dropped_total), never blocking vLLM",
+        "N",
+    ),
+    Option(
+        "record-events",
+        "str",
+        "",
+        "append every KV-event message received to FILE as JSON lines "
+        "(input of `kv-offload-exporter whatif --events`)",
+        "FILE",
+    ),
+    Option(
+        "whatif-sizes",
+        "bytes_list",
+        [int(g * (1 << 30)) for g in (0.25, 0.5, 1, 2, 4, 8, 16)],
+        "CPU offload buffer sizes to simulate (comma-separated, e.g. 0.5GiB,1GiB)",
+        "SIZES",
+    ),
+    Option(
+        "whatif-policy",
+        "str",
+        "lru",
+        "eviction policy of the simulated CPU tier (vLLM's eviction_policy)",
+        choices=("lru", "arc"),
+    ),
+    Option(
+        "whatif-store-threshold",
+        "int",
+        0,
+        "vLLM's store_threshold for the simulated tier (a block is offloaded once looked up "
+        "that many times; below 2 every block is)",
+        "N",
+    ),
+    Option(
+        "whatif-model",
+        "str",
+        "vllm",
+        "vllm: replay vLLM 0.26's CPU offload manager exactly, one simulator per size; "
+        "stack: one-pass LRU stack distances for all sizes (approximate ordering, can sample)",
+        choices=("vllm", "stack"),
+    ),
+    Option(
+        "whatif-sample-rate",
+        "float",
+        1.0,
+        "SHARDS spatial sampling rate of block hashes for --whatif-model stack "
+        "(1.0 = exact; 0.01 tracks 1%% of the blocks)",
+        "RATE",
+    ),
 )
 OPTION_BY_KEY: Mapping[str, Option] = {o.key: o for o in OPTIONS}
 
@@ -181,6 +313,30 @@ class Config:
     thresholds: Thresholds = DEFAULT_THRESHOLDS
     log_format: str = "text"
     log_level: str = "info"
+    nvml: bool = True
+    nvml_poll_interval: float = 0.0
+    procfs: bool = True
+    cgroup: bool = True
+    path_procfs: str = "/proc"
+    path_cgroup: str = "/sys/fs/cgroup"
+    path_shm: str = "/dev/shm"
+    vllm_pid: int | None = None
+    memory_limit: int = 0
+    max_engines_per_target: int = 64
+    web_config_file: str = ""
+    kv_events: bool = True
+    kv_events_endpoint: Sequence[str] = ()
+    kv_events_bind: Sequence[str] = ()
+    kv_events_replay_endpoint: Sequence[str] = ()
+    kv_events_queue: int = 10000
+    record_events: str = ""
+    whatif_sizes: Sequence[int] = tuple(int(g * (1 << 30)) for g in (0.25, 0.5, 1, 2, 4, 8, 16))
+    whatif_policy: str = "lru"
+    whatif_store_threshold: int = 0
+    whatif_model: str = "vllm"
+    whatif_sample_rate: float = 1.0
+    # target label -> {kv_events_endpoint|kv_events_bind|kv_events_replay_endpoint: [..]}
+    kv_events_targets: Mapping[str, Mapping[str, Sequence[str]]] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -259,7 +415,7 @@ def _targets_from(values: dict[str, Any], problems: list[str]) -> tuple[TargetCo
         if not isinstance(item, dict) or "url" not in item:
             problems.append(f"{where}: expected a mapping with url")
             continue
-        unknown = set(item) - {"url", "name", "pid", "kv_bytes_per_token"}
+        unknown = set(item) - {"url", "name", "pid", "kv_bytes_per_token", *KV_EVENTS_TARGET_KEYS}
         if unknown:
             problems.append(f"{where}: unknown keys {sorted(unknown)}")
         try:
@@ -287,6 +443,40 @@ def _targets_from(values: dict[str, Any], problems: list[str]) -> tuple[TargetCo
     if dupes:
         problems.append(f"targets: duplicate target labels {dupes}; give them distinct names")
     return tuple(out)
+
+
+def _split_all(items: Sequence[str]) -> tuple[str, ...]:
+    return tuple(p.strip() for item in items for p in str(item).split(",") if p.strip())
+
+
+KV_EVENTS_TARGET_KEYS = ("kv_events_endpoint", "kv_events_bind", "kv_events_replay_endpoint")
+
+
+def _kv_events_targets(
+    items: Any, targets: Sequence[TargetConfig], problems: list[str]
+) -> dict[str, dict[str, tuple[str, ...]]]:
+    """Per-target KV-event endpoints from YAML targets[] (string or list, one per DP rank)."""
+    out: dict[str, dict[str, tuple[str, ...]]] = {}
+    if not isinstance(items, list):
+        return out
+    by_url = {t.url: t for t in targets}
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or "url" not in item:
+            continue
+        target = by_url.get(str(item["url"]))
+        if target is None:
+            continue
+        for key in KV_EVENTS_TARGET_KEYS:
+            raw = item.get(key)
+            if raw is None:
+                continue
+            if isinstance(raw, str):
+                raw = [raw]
+            if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
+                problems.append(f"targets[{i}].{key}: expected an endpoint or a list of them")
+                continue
+            out.setdefault(target.label, {})[key] = _split_all(raw)
+    return out
 
 
 def _thresholds_from(mapping: Any, pairs: list[str] | None, problems: list[str]) -> Thresholds:
@@ -374,7 +564,17 @@ def load_config(
     skip = ("targets", "thresholds", "threshold", "vllm_url")
     kwargs = {k: v for k, v in values.items() if k in known and k not in skip and v is not None}
     extra = {k: v for k, v in values.items() if k not in known and k not in skip}
+    cap = kwargs.get("max_engines_per_target", 64)
+    targets = tuple(replace(t, max_engines=cap) for t in targets)
     cfg = Config(targets=targets, thresholds=thresholds, extra=extra, **kwargs)
+    cfg = replace(
+        cfg,
+        kv_events_targets=_kv_events_targets(file_values.get("targets"), targets, problems),
+        # Repeated flags and comma-separated lists both give one endpoint per DP rank.
+        kv_events_endpoint=_split_all(cfg.kv_events_endpoint),
+        kv_events_bind=_split_all(cfg.kv_events_bind),
+        kv_events_replay_endpoint=_split_all(cfg.kv_events_replay_endpoint),
+    )
 
     if cfg.interval <= 0:
         problems.append("--interval must be positive")
@@ -388,10 +588,62 @@ def load_config(
         problems.append("--advice-confirm-cycles must be at least 1")
     if cfg.kv_bytes_per_token < 0:
         problems.append("--kv-bytes-per-token must not be negative")
+    if not 0 <= cfg.nvml_poll_interval <= 1:
+        problems.append("--nvml-poll-interval must be in [0, 1] seconds (0: from the link)")
+    if cfg.vllm_pid is not None and cfg.vllm_pid <= 0:
+        problems.append("--vllm-pid must be a positive pid")
+    if cfg.vllm_pid is not None and len(cfg.targets) > 1:
+        problems.append("--vllm-pid applies to a single target; give targets[].pid instead")
     try:
         parse_listen(cfg.listen)
     except ValueError as exc:
         problems.append(str(exc))
+    if cfg.max_engines_per_target < 1:
+        problems.append("--max-engines-per-target must be at least 1")
+    problems.extend(_kv_events_problems(cfg))
+    if cfg.web_config_file:
+        try:
+            load_web_config(cfg.web_config_file)
+        except WebConfigError as exc:
+            problems.extend(exc.problems)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _kv_events_problems(cfg: Config) -> list[str]:
+    problems: list[str] = []
+    flags = cfg.kv_events_endpoint or cfg.kv_events_bind or cfg.kv_events_replay_endpoint
+    if flags and len(cfg.targets) > 1:
+        problems.append(
+            "--kv-events-endpoint/--kv-events-bind/--kv-events-replay-endpoint apply to a single "
+            "target; give targets[].kv_events_endpoint (or _bind) in --config instead"
+        )
+    named = [
+        ("--kv-events-endpoint", cfg.kv_events_endpoint),
+        ("--kv-events-bind", cfg.kv_events_bind),
+        ("--kv-events-replay-endpoint", cfg.kv_events_replay_endpoint),
+    ]
+    for label, per in cfg.kv_events_targets.items():
+        named.extend((f"target {label} {key}", values) for key, values in per.items())
+    for where, endpoints in named:
+        for e in endpoints:
+            if not re.match(r"^(tcp|ipc)://\S+$", e):
+                problems.append(f"{where} {e!r}: expected tcp://HOST:PORT or ipc://PATH")
+    if cfg.kv_events_endpoint and cfg.kv_events_bind:
+        problems.append("give --kv-events-endpoint (vLLM binds) or --kv-events-bind, not both")
+    if cfg.kv_events_queue < 1:
+        problems.append("--kv-events-queue must be at least 1")
+    if not cfg.whatif_sizes or any(b <= 0 for b in cfg.whatif_sizes):
+        problems.append("--whatif-sizes must list positive sizes")
+    if cfg.whatif_store_threshold < 0:
+        problems.append("--whatif-store-threshold must not be negative")
+    if not 0 < cfg.whatif_sample_rate <= 1:
+        problems.append("--whatif-sample-rate must be in (0, 1]")
+    if cfg.whatif_sample_rate < 1 and cfg.whatif_model != "stack":
+        problems.append("--whatif-sample-rate below 1 needs --whatif-model stack")
+    if cfg.whatif_model == "stack" and (
+        cfg.whatif_policy != "lru" or cfg.whatif_store_threshold >= 2
+    ):
+        problems.append("--whatif-model stack is plain LRU: use vllm for arc or a store threshold")
+    return problems

@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from exporter.backends import BackendDerived, backend_derived
+from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
 from exporter.window import TargetWindow
 
@@ -25,6 +27,7 @@ class DeriveSettings:
     link_bandwidth: float | None = None  # bytes/s, theoretical host link (from NVML)
     link_efficiency: float = 0.56  # achieved/theoretical for vLLM's block copies (H200: 31/55)
     min_fit_points: int = 4
+    launch: LaunchConfig | None = None  # the target's vLLM command line, when readable
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,17 @@ class PrefillFit:
     seconds_per_token: float
     points: int
     r2: float
+    stderr: float | None = None  # standard error of seconds_per_token
+
+    @property
+    def significant(self) -> bool:
+        """The per-token cost is distinguishable from zero (about 95%)."""
+        return self.stderr is not None and self.seconds_per_token - 2 * self.stderr > 0
+
+    @property
+    def upper(self) -> float | None:
+        """Upper end of the per-token cost's ~95% interval."""
+        return None if self.stderr is None else self.seconds_per_token + 2 * self.stderr
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +76,10 @@ class EngineDerived:
     transfer_tokens_per_second: float | None
     transfer_estimated: bool
     transfer_speedup: float | None
+    transfer_speedup_lower: float | None
     window: Mapping[str, float]  # window sums of the counters, for the advisor
     totals: Mapping[str, float]  # reset-safe running totals
+    backend: BackendDerived | None = None  # connector/spec/tiers and per-backend values
 
 
 def _ratio(sums: tuple[float, ...] | None) -> float | None:
@@ -107,7 +123,11 @@ def offload_settings(
         # lmcache owns its own capacity; the flag's size is not propagated to it.
         return True, size_gib * GIB if backend != "lmcache" else None
     offload_series = ("load_bytes", "store_bytes", "stored_chunks")
-    return any(k in es.counters for k in offload_series), None
+    # Backends without vLLM's offload series: SimpleCPUOffloadConnector, LMCache.
+    backend_series = ("simple_save", "simple_load_blocks", "lmc_hit_tokens", "lmc_requested_tokens")
+    return any(k in es.counters for k in offload_series) or any(
+        k.split(":", 1)[0] in backend_series for k in es.counters
+    ), None
 
 
 def kv_bytes_per_token(
@@ -128,11 +148,19 @@ def kv_bytes_per_token(
         per_chunk = _float(oc.get("cpu_blocks_per_chunk"))
         if size and chunks and per_chunk and block:
             return size / (chunks * per_chunk * block), "offload_config"
+    loaded = totals.get("load_bytes")
+    loaded_tokens = totals.get("prompt_by_source:external_kv_transfer")
+    if loaded and loaded_tokens:
+        # Every external-transfer prompt token arrived in a load: exact on every recorded
+        # H200 run, tiering and ARC included.
+        return loaded / loaded_tokens, "offload_loads"
     stored = totals.get("store_bytes")
     chunks_stored = totals.get("stored_chunks")
-    if stored and chunks_stored and block:
-        # blocks_per_chunk is 1 unless configured, and then offload_config exists (0.33+).
-        return stored / (chunks_stored * block), "offload_transfers"
+    if stored and chunks_stored and block and not totals.get("alloc_failures"):
+        # The allocation histogram is observed before an allocation can fail (and counts
+        # secondary-tier chunks with tiering), so it only counts stored chunks without
+        # failures. blocks_per_chunk is 1 unless configured, and then offload_config exists.
+        return stored / (chunks_stored * block), "offload_stores"
     mem = _float(cc.get("kv_cache_memory_bytes"))
     tokens = _float(cc.get("kv_cache_size_tokens"))
     if mem and tokens and cc.get("num_gpu_blocks_override", "None") == "None":
@@ -280,9 +308,14 @@ def prefill_fit(points: list[tuple[float, ...]], min_points: int) -> PrefillFit 
         if stt <= 0:
             return None
         a, b = 0.0, sum(ti * yi for ti, yi in zip(tt, yy, strict=True)) / stt
-    # b <= 0 is kept: the per-token cost is below the noise, which is itself the finding
-    # (recompute is effectively free at the margin, so no reload can beat it).
-    return PrefillFit(a, b, len(yy), _r2(cols, yy, [a, b]))
+        cov = _covariance([tt], yy, [b])
+        stderr = math.sqrt(cov[0][0]) if cov is not None and cov[0][0] >= 0 else None
+    else:
+        cov = _covariance(cols, yy, [a, b])
+        stderr = math.sqrt(cov[1][1]) if cov is not None and cov[1][1] >= 0 else None
+    # b <= 0 is kept: a per-token cost below the noise can itself be the finding, when even
+    # its upper bound is below what a reload costs (derive_engine decides).
+    return PrefillFit(a, b, len(yy), _r2(cols, yy, [a, b]), stderr)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +333,50 @@ class OffloadFit:
     points: int
     r2: float
     saving_stderr: float | None = None  # standard error of the saving per token
+    computed_stderr: float | None = None
+    loaded_stderr: float | None = None
+
+    @property
+    def valid(self) -> bool:
+        """Physically meaningful: recomputing costs something, loading does not cost
+        significantly less than nothing. Near-collinear windows fail this."""
+        if self.loaded_stderr is None:
+            return False
+        return (
+            self.computed_seconds_per_token > 0
+            and self.loaded_seconds_per_token + 2 * self.loaded_stderr >= 0
+        )
+
+    def speedup_bounds(self, z: float = 2.0) -> tuple[float, float] | None:
+        """Approximate interval of recompute cost / reload cost (upper may be infinite)."""
+        if self.computed_stderr is None or self.loaded_stderr is None:
+            return None
+        b, c = self.computed_seconds_per_token, self.loaded_seconds_per_token
+        b_lo, b_hi = max(b - z * self.computed_stderr, 0.0), b + z * self.computed_stderr
+        c_lo, c_hi = c - z * self.loaded_stderr, c + z * self.loaded_stderr
+        lo = b_lo / c_hi if c_hi > 0 else math.inf
+        hi = b_hi / c_lo if c_lo > 0 else math.inf
+        return lo, hi
+
+    @property
+    def proves_gain(self) -> bool:
+        """The saving per loaded token is positive beyond doubt (~95%)."""
+        bounds = self.saving_bounds()
+        return (
+            self.valid
+            and self.computed_stderr is not None
+            and self.computed_seconds_per_token - 2 * self.computed_stderr > 0
+            and bounds is not None
+            and bounds[0] > 0
+        )
+
+    @property
+    def reload_significantly_costly(self) -> bool:
+        """A loaded token costs TTFT, beyond doubt."""
+        return (
+            self.loaded_stderr is not None
+            and self.loaded_seconds_per_token - 2 * self.loaded_stderr > 0
+        )
 
     @property
     def saving_seconds_per_token(self) -> float:
@@ -307,11 +384,10 @@ class OffloadFit:
 
     @property
     def measured_speedup(self) -> float | None:
-        """Recompute cost over reload cost per token, both as TTFT sees them."""
-        if self.computed_seconds_per_token <= 0:
-            return 0.0
-        if self.loaded_seconds_per_token <= 0:
-            return None  # a reload costs nothing measurable: unbounded
+        """Recompute cost over reload cost per token, both as TTFT sees them; None when the
+        fit is not valid or a reload costs nothing measurable (unbounded)."""
+        if not self.valid or self.loaded_seconds_per_token <= 0:
+            return None
         return self.computed_seconds_per_token / self.loaded_seconds_per_token
 
     def saving_bounds(self, z: float = 2.0) -> tuple[float, float] | None:
@@ -332,11 +408,13 @@ def offload_fit(points: list[tuple[float, ...]], min_points: int) -> OffloadFit 
         return None
     coef, cols, y = fitted
     cov = _covariance(cols, y, coef)
-    stderr = None
+    stderr = se_b = se_c = None
     if cov is not None:
         var = cov[1][1] + cov[2][2] - 2 * cov[1][2]
         stderr = math.sqrt(var) if var >= 0 else None
-    return OffloadFit(coef[0], coef[1], coef[2], len(y), _r2(cols, y, coef), stderr)
+        se_b = math.sqrt(cov[1][1]) if cov[1][1] >= 0 else None
+        se_c = math.sqrt(cov[2][2]) if cov[2][2] >= 0 else None
+    return OffloadFit(coef[0], coef[1], coef[2], len(y), _r2(cols, y, coef), stderr, se_b, se_c)
 
 
 WINDOW_KEYS = (
@@ -388,6 +466,9 @@ def derive_engine(
             window[key] = s[0]
 
     load_bw = _rate(sums("load_bytes", "load_seconds"))
+    # LMCache reports tokens and seconds of its retrieves, not bytes: its retrieve speed is
+    # the transfer rate where vLLM's own load counters are absent.
+    lmc_retrieve = _rate(sums("lmc_hit_tokens", "lmc_retrieve_seconds"))
     store_bw = _rate(sums("store_bytes", "store_seconds"))
     fit = (
         prefill_fit(
@@ -398,7 +479,6 @@ def derive_engine(
         else None
     )
     recompute = 1.0 / fit.seconds_per_token if fit and fit.seconds_per_token > 0 else None
-    negligible = fit is not None and fit.seconds_per_token <= 0
     ofit = (
         offload_fit(
             win.points(
@@ -419,7 +499,9 @@ def derive_engine(
 
     transfer: float | None = None
     estimated = False
-    if bpt:
+    if load_bw is None and lmc_retrieve is not None:
+        transfer = lmc_retrieve  # measured in tokens/s: needs no bytes per token
+    elif bpt:
         if load_bw is not None:
             transfer = load_bw / bpt
         elif settings.assumed_load_bandwidth:
@@ -428,10 +510,26 @@ def derive_engine(
             transfer = settings.link_bandwidth * settings.link_efficiency / bpt
             estimated = True
     speedup: float | None = None
+    speedup_lower: float | None = None
+    # "Free at the margin" needs more than a slope at or below zero: even the upper end of the
+    # slope's interval must cost less than a reload, or six near-collinear intervals with a
+    # wide, negative slope would read as "recompute is free".
+    upper = fit.upper if fit is not None else None
+    negligible = bool(
+        fit is not None
+        and fit.seconds_per_token <= 0
+        and transfer is not None
+        and upper is not None
+        and upper * transfer < 1.0
+    )
     if transfer is not None and recompute:
         speedup = transfer / recompute
-    elif transfer is not None and negligible:
+    elif negligible:
         speedup = 0.0  # recompute costs nothing measurable per token: no reload can win
+    if transfer is not None and fit is not None and fit.stderr is not None:
+        # Enabling offload needs the speedup's lower bound to clear the margin: a handful of
+        # near-collinear intervals can give any slope, and a false "enable" costs memory.
+        speedup_lower = transfer * max(fit.seconds_per_token - 2 * fit.stderr, 0.0)
 
     return EngineDerived(
         key=ek,
@@ -445,7 +543,13 @@ def derive_engine(
         offload_hit_ratio=_ratio(sums("prompt_by_source:external_kv_transfer", "prompt_tokens"))
         if enabled
         else None,
-        offload_lookup_hit_ratio=_ratio(sums("ext_hits", "ext_queries")) if enabled else None,
+        offload_lookup_hit_ratio=(
+            _ratio(sums("ext_hits", "ext_queries"))
+            if "ext_queries" in es.counters
+            else _ratio(sums("lmc_hit_tokens", "lmc_requested_tokens"))
+        )
+        if enabled
+        else None,
         load_bandwidth=load_bw,
         store_bandwidth=store_bw,
         reuse_ratio=_rate(sums("load_bytes", "store_bytes")) if enabled else None,
@@ -459,8 +563,20 @@ def derive_engine(
         transfer_tokens_per_second=transfer,
         transfer_estimated=estimated,
         transfer_speedup=speedup,
+        transfer_speedup_lower=speedup_lower,
         window=window,
         totals=dict(totals),
+        backend=backend_derived(
+            win,
+            ek,
+            es,
+            cc,
+            settings.launch,
+            fresh=fresh,
+            kv_bytes_per_token=bpt,
+            recompute_tokens_per_second=recompute,
+            recompute_negligible=negligible,
+        ),
     )
 
 

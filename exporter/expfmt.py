@@ -16,6 +16,8 @@ from dataclasses import dataclass
 Labels = tuple[tuple[str, str], ...]
 
 _NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
+_BLANKS = " \t\x0b\x0c\r"
+_NAME_END_RE = re.compile(r"[\t\x0b\x0c\r ]")
 _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 _ESCAPE_RE = re.compile(r"\\[\\\"n]")
 
@@ -99,26 +101,46 @@ def parse(text: str, wanted: Collection[str]) -> list[Sample]:
     out: list[Sample] = []
     seen: set[tuple[str, Labels]] = set()
     name_start = _NAME_START
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line:
+    # One scan of the body decides whether any line needs the careful name cut; vLLM and
+    # prometheus_client write single spaces, so the per-line fast path is the normal one.
+    odd_blanks = any(c in text for c in "\t\x0b\x0c\r") or " {" in text
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        if not raw:
             continue
+        line = raw
         first = line[0]
         if first == "#":
             continue
         if first not in name_start:
             if line.isspace():
                 continue
-            raise ExpositionError(f"line {lineno}: not a sample line: {line[:120]!r}")
+            if first in _BLANKS:
+                # Leading blanks are allowed (as prometheus_client and Go's expfmt do).
+                line = line.lstrip(_BLANKS)
+                if line[0] == "#":
+                    continue
+            if line[0] not in name_start:
+                raise ExpositionError(f"line {lineno}: not a sample line: {line[:120]!r}")
         # Cheap name cut first: most lines are histogram buckets nobody asked for.
         end = line.find("{")
         if end < 0:
             end = line.find(" ")
             if end < 0:
                 end = len(line)
+        if odd_blanks:
+            # Tabs, other blanks, or a blank before the labels somewhere in the body: cut the
+            # name at the first blank of any kind (prometheus_client accepts these).
+            m = _NAME_END_RE.search(line, 0, end)
+            if m is not None:
+                end = m.start()
         name = line[:end]
         if name not in wanted:
             continue
         pos = end
+        if pos < len(line) and line[pos] != "{":
+            rest = line[pos:].lstrip(_BLANKS)
+            if rest.startswith("{"):
+                pos = len(line) - len(rest)  # blanks between the name and its labels
         labels: Labels = ()
         if pos < len(line) and line[pos] == "{":
             labels, pos = _parse_labels(line, pos, lineno)

@@ -56,7 +56,18 @@ class Exposition:
     """One cycle's families, rendered per format and encoding on first use."""
 
     def __init__(self, families: Iterable[Family]) -> None:
-        self._families = [f for f in families if len(f)]
+        # Several sources emit the same family (one per target): one HELP/TYPE block each,
+        # or Prometheus rejects the scrape ("second HELP line").
+        merged: dict[str, Family] = {}
+        for fam in families:
+            if not len(fam):
+                continue
+            name = fam.definition.name
+            if name in merged:
+                merged[name].extend(fam)
+            else:
+                merged[name] = fam.copy()
+        self._families = list(merged.values())
         self._cache: dict[tuple[str, bool], bytes] = {}
 
     def body(self, fmt: str = TEXT, compressed: bool = False) -> bytes:

@@ -6,11 +6,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
-from exporter.advisor import Advice, Advisor, AdvisorInput, MemoryState, WhatIfState
+from exporter.advisor import Advice, Advisor, AdvisorInput, MemoryState, PolicyPoint, WhatIfState
+from exporter.backends import backend_families, with_peer_recompute
 from exporter.catalogue import Family
 from exporter.collector import (
-    Exposition,
     advice_families,
     derived_families,
     render,
@@ -18,9 +19,15 @@ from exporter.collector import (
 )
 from exporter.config import Config
 from exporter.derive import DeriveSettings, EngineDerived, derive_target
+from exporter.exposition import Exposition
 from exporter.logs import log_event
 from exporter.sources import Clock, Source, execute
+from exporter.sources.cgroup import CgroupSource
+from exporter.sources.kv_events import kv_event_sources
+from exporter.sources.nvml import NvmlSource
+from exporter.sources.procfs import ProcfsSource, offload_pool_families, url_port
 from exporter.sources.vllm_http import VllmTarget
+from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import EngineKey
 
 log = logging.getLogger("kvoe.runtime")
@@ -37,6 +44,36 @@ def build_sources(cfg: Config, clock: Clock = time.time) -> list[Source]:
         )
         for t in cfg.targets
     ]
+    if cfg.nvml:
+        sources.append(NvmlSource(poll_interval=cfg.nvml_poll_interval or None, clock=clock))
+    single = len(cfg.targets) == 1
+    for t in cfg.targets:
+        pid = t.pid or (cfg.vllm_pid if single else None)
+        procfs = None
+        if cfg.procfs:
+            procfs = ProcfsSource(
+                t.label,
+                port=url_port(t.url),
+                pid=pid,
+                procfs=cfg.path_procfs,
+                shm=cfg.path_shm,
+                single_target=single,
+                clock=clock,
+            )
+            sources.append(procfs)
+        if cfg.cgroup:
+            sources.append(
+                CgroupSource(
+                    t.label,
+                    procfs=procfs,
+                    pid=pid,
+                    procfs_root=cfg.path_procfs,
+                    cgroup_root=cfg.path_cgroup,
+                    memory_limit=cfg.memory_limit or None,
+                    clock=clock,
+                )
+            )
+    sources.extend(kv_event_sources(cfg, sources, clock))
     return sources
 
 
@@ -77,7 +114,12 @@ class Exporter:
             or None,
             assumed_load_bandwidth=float(self.cfg.assumed_load_bandwidth) or None,
             link_bandwidth=self.link_bandwidth(),
+            launch=self._launch(target.config.label),
         )
+
+    def _launch(self, label: str) -> LaunchConfig | None:
+        launch = self._hook("launch_config", label)
+        return launch if isinstance(launch, LaunchConfig) else None
 
     def link_bandwidth(self) -> float | None:
         """Slowest host link among the GPUs, bytes/s; None without a GPU collector."""
@@ -92,9 +134,11 @@ class Exporter:
         timeout = self.cfg.effective_scrape_timeout
         await asyncio.gather(*(execute(src, timeout) for src in self.sources))
         now = self.clock()
-        self.derived = {
+        derived = {
             t.config.label: derive_target(t.window, now, self.settings_for(t)) for t in self.targets
         }
+        # A decode engine (NIXL) takes the recompute rate of a prefill engine of its model.
+        self.derived = with_peer_recompute(derived)
         self.advise()
         self.exposition = render(self.families())
         self.cycles += 1
@@ -117,14 +161,30 @@ class Exporter:
             memory = self._hook("memory_state", label)
             for d in self.derived.get(label, []):
                 whatif = self._hook("whatif_state", label, d.key, d)
+                policies = self._hook("policy_state", label, d.key, d)
+                mem = memory if isinstance(memory, MemoryState) else None
+                if mem is not None and mem.pool_bytes and d.offload_buffer_bytes:
+                    # The measured pool/flag ratio (1.75 on vLLM 0.26) sizes recommendations.
+                    mem = replace(mem, pool_to_buffer_ratio=mem.pool_bytes / d.offload_buffer_bytes)
                 inp = AdvisorInput(
                     derived=d,
                     covered_seconds=t.window.covered_seconds(),
                     whatif=whatif if isinstance(whatif, WhatIfState) else None,
-                    memory=memory if isinstance(memory, MemoryState) else None,
+                    memory=mem,
                     pcie_utilization=pcie if isinstance(pcie, float) else None,
+                    policy_alternatives=tuple(
+                        p
+                        for p in (policies if isinstance(policies, tuple) else ())
+                        if isinstance(p, PolicyPoint)
+                    ),
                 )
-                out.setdefault(label, []).append((d.key, self.advisor.update(label, inp)))
+                advice = self.advisor.update(label, inp)
+                out.setdefault(label, []).append((d.key, advice))
+                for src in self.sources:
+                    # The policy what-if of an engine without offload runs at this size.
+                    note = getattr(src, "note_recommended", None)
+                    if note is not None:
+                        note(label, d.key, advice.recommended_buffer_bytes)
                 present.add((label, d.key))
         self.advisor.forget_missing(present)
         self.advice = out
@@ -135,6 +195,14 @@ class Exporter:
             out.extend(src.families())
         out.extend(derived_families(self.derived.items(), self.covered_seconds()))
         out.extend(advice_families(self.advice.items()))
+        out.extend(backend_families(self.derived.items()))
+        for src in self.sources:
+            # Families that need the derived window (what-if hit ratios over prompt tokens).
+            hook = getattr(src, "derived_families", None)
+            if hook is not None:
+                out.extend(hook(self.derived))
+        pools = {s.target: s.pool() for s in self.sources if isinstance(s, ProcfsSource)}
+        out.extend(offload_pool_families(pools, self.derived))
         return out
 
     def covered_seconds(self) -> dict[str, float]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import html
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -14,8 +16,10 @@ from aiohttp import web
 from exporter import __version__
 from exporter.advisor import advice_json
 from exporter.derive import EngineDerived
+from exporter.exposition import OPENMETRICS, TEXT
 from exporter.logs import log_event
 from exporter.runtime import Exporter
+from exporter.webconfig import BasicAuth, TokenBucket, WebConfig, load_web_config, peer_sans
 
 log = logging.getLogger("kvoe.server")
 
@@ -34,11 +38,7 @@ async def metrics(request: web.Request) -> web.Response:
     exp = request.app[EXPORTER_KEY].exposition
     om = _wants_openmetrics(request.headers.get("Accept", ""))
     gz = "gzip" in request.headers.get("Accept-Encoding", "")
-    body = (
-        (exp.openmetrics_gzip if gz else exp.openmetrics)
-        if om
-        else (exp.text_gzip if gz else exp.text)
-    )
+    body = exp.body(OPENMETRICS if om else TEXT, gz)
     headers = {"Content-Type": OPENMETRICS_CT if om else TEXT_CT}
     if gz:
         headers["Content-Encoding"] = "gzip"
@@ -114,6 +114,11 @@ def status_json(exp: Exporter) -> dict[str, Any]:
         for s in exp.sources
         if s not in exp.targets
     ]
+    for entry, s in zip(collectors, [s for s in exp.sources if s not in exp.targets], strict=True):
+        # Bounded event queues report their fill (a `queue_depth`, or a queue.Queue `queue`).
+        depth = getattr(s, "queue_depth", None) or getattr(getattr(s, "queue", None), "qsize", None)
+        if depth is not None:
+            entry["queue_depth"] = depth() if callable(depth) else depth
     return {
         "version": __version__,
         "window_seconds": exp.cfg.window,
@@ -122,7 +127,17 @@ def status_json(exp: Exporter) -> dict[str, Any]:
         "last_cycle": exp.last_cycle,
         "targets": targets,
         "collectors": collectors,
+        "runtime": _runtime_json(),
     }
+
+
+def _runtime_json() -> dict[str, Any]:
+    """The process's own resource use, for soak tests and leak hunting."""
+    try:
+        tasks: int | None = len(asyncio.all_tasks())
+    except RuntimeError:  # no running loop (called outside the server)
+        tasks = None
+    return {"asyncio_tasks": tasks}
 
 
 def advice_doc(exp: Exporter) -> dict[str, Any]:
@@ -213,9 +228,84 @@ async def index(request: web.Request) -> web.Response:
     return web.Response(text=body, content_type="text/html")
 
 
-def make_app(exporter: Exporter, *, run_loop: bool = True) -> web.Application:
+# Request limits: every endpoint is a GET without a body, on a fixed path.
+MAX_BODY_BYTES = 64 * 1024
+MAX_LINE_SIZE = 4096  # request line (method, path, query) and header lines
+MAX_FIELD_SIZE = 8190  # one header value
+MAX_HEADERS = 64
+KEEPALIVE_TIMEOUT = 75.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _security_middlewares(web_config: WebConfig) -> list[Any]:
+    """Rate limit, client-certificate SANs and basic auth, in that order, on every path."""
+    out: list[Any] = []
+    headers = dict(web_config.headers)
+    if web_config.rate_limit is not None:
+        bucket = TokenBucket(web_config.rate_limit)
+
+        @web.middleware
+        async def rate_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if not bucket.take():
+                return web.Response(status=429, text="too many requests\n", headers=headers)
+            return await handler(request)
+
+        out.append(rate_limit)
+    tls = web_config.tls
+    if tls is not None and tls.client_allowed_sans:
+        allowed = set(tls.client_allowed_sans)
+
+        @web.middleware
+        async def client_sans(request: web.Request, handler: Handler) -> web.StreamResponse:
+            transport = request.transport
+            cert = transport.get_extra_info("peercert") if transport is not None else None
+            if not peer_sans(cert) & allowed:
+                return web.Response(status=403, text="client certificate not allowed\n")
+            return await handler(request)
+
+        out.append(client_sans)
+    if web_config.users:
+        auth = BasicAuth(web_config.users)
+        challenge = {**headers, "WWW-Authenticate": 'Basic realm="kv-offload-exporter"'}
+
+        @web.middleware
+        async def basic_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            ok = False
+            if scheme.lower() == "basic" and token:
+                try:
+                    user, sep, password = base64.b64decode(token, validate=True).partition(b":")
+                    if sep:
+                        ok = await auth.verify(user.decode("utf-8"), password)
+                except (binascii.Error, UnicodeDecodeError):
+                    ok = False
+            if not ok:
+                return web.Response(status=401, text="unauthorized\n", headers=challenge)
+            return await handler(request)
+
+        out.append(basic_auth)
+    if headers:
+
+        @web.middleware
+        async def add_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+            resp = await handler(request)
+            resp.headers.update(headers)
+            return resp
+
+        out.insert(0, add_headers)
+    return out
+
+
+def make_app(
+    exporter: Exporter, *, run_loop: bool = True, web_config: WebConfig | None = None
+) -> web.Application:
     # Requests are small GETs; cap what a client may send (no endpoint takes a body).
-    app = web.Application(client_max_size=64 * 1024)
+    # No handler reads a URL, host or file path from the request: the routes are fixed.
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES,
+        middlewares=_security_middlewares(web_config) if web_config else (),
+    )
     app[EXPORTER_KEY] = exporter
     app.router.add_get("/", index)
     app.router.add_get("/metrics", metrics)
@@ -241,12 +331,29 @@ def make_app(exporter: Exporter, *, run_loop: bool = True) -> web.Application:
 
 
 async def serve(exporter: Exporter, host: str, port: int) -> None:
-    app = make_app(exporter)
-    runner = web.AppRunner(app, access_log=None)
+    path = getattr(exporter.cfg, "web_config_file", "")
+    web_config = load_web_config(path) if path else None
+    app = make_app(exporter, web_config=web_config)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        max_line_size=MAX_LINE_SIZE,
+        max_field_size=MAX_FIELD_SIZE,
+        max_headers=MAX_HEADERS,
+        keepalive_timeout=KEEPALIVE_TIMEOUT,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    tls = web_config.tls if web_config else None
+    site = web.TCPSite(runner, host, port, ssl_context=tls.context() if tls else None)
     await site.start()
-    log_event(log, logging.INFO, "listening", address=f"{host}:{port}")
+    log_event(
+        log,
+        logging.INFO,
+        "listening",
+        address=f"{host}:{port}",
+        tls=tls is not None,
+        basic_auth=bool(web_config and web_config.users),
+    )
     try:
         await asyncio.Event().wait()
     finally:

@@ -10,8 +10,9 @@ adding them would double every offload number.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from exporter.expfmt import Sample
 
@@ -131,12 +132,103 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity("ttft_seconds", "counter", (_c("vllm:time_to_first_token_seconds_sum"),)),
     Quantity("ttft_requests", "counter", (_c("vllm:time_to_first_token_seconds_count"),)),
     Quantity("preemptions", "counter", (_c("vllm:num_preemptions_total"),)),
+    # --- KV transfer backends (docs/backends.md) ---------------------------------------
+    # TieringOffloadingSpec per tier ("0:primary", "1:fs", ...): vLLM 0.32+; 0.26 exports
+    # only the tier lookup-delay histograms, which the dashboards read directly.
+    Quantity(
+        "tier_read_bytes", "counter", (_c("vllm:kv_offload_tiering_read_bytes_total"),), by="tier"
+    ),
+    Quantity(
+        "tier_read_seconds", "counter", (_c("vllm:kv_offload_tiering_read_time_total"),), by="tier"
+    ),
+    Quantity(
+        "tier_write_bytes",
+        "counter",
+        (_c("vllm:kv_offload_tiering_write_bytes_total"),),
+        by="tier",
+    ),
+    Quantity(
+        "tier_write_seconds",
+        "counter",
+        (_c("vllm:kv_offload_tiering_write_time_total"),),
+        by="tier",
+    ),
+    Quantity(
+        "tier_chunk_queries",
+        "counter",
+        (_c("vllm:kv_offload_tiering_chunk_queries_total"),),
+        by="tier",
+    ),
+    Quantity(
+        "tier_chunk_hits", "counter", (_c("vllm:kv_offload_tiering_chunk_hits_total"),), by="tier"
+    ),
+    Quantity(
+        "tier_promotion_failures",
+        "counter",
+        (_c("vllm:kv_offload_tiering_promotion_job_failures_total"),),
+        by="tier",
+    ),
+    Quantity(
+        "tier_cascade_failures",
+        "counter",
+        (_c("vllm:kv_offload_tiering_cascade_job_failures_total"),),
+        by="tier",
+    ),
+    Quantity(
+        "tier_bp_blocks_dropped",
+        "counter",
+        (_c("vllm:kv_offload_tiering_backpressure_blocks_dropped_total"),),
+        by="tier",
+    ),
+    Quantity(
+        "tier_promotion_alloc_failures",
+        "counter",
+        (_c("vllm:kv_offload_tiering_promotion_allocation_failures_total"),),
+    ),
+    # SimpleCPUOffloadConnector (VLLM_USE_SIMPLE_KV_OFFLOAD=1): vLLM 0.32+.
+    Quantity(
+        "simple_save", "counter", (_c("vllm:simple_kv_offload_save_outcomes_total"),), by="outcome"
+    ),
+    Quantity("simple_load_blocks", "counter", (_c("vllm:simple_kv_offload_load_blocks_total"),)),
+    Quantity("simple_used_blocks", "gauge", (_c("vllm:simple_kv_offload_used_blocks"),)),
+    Quantity(
+        "simple_pending_store_blocks", "gauge", (_c("vllm:simple_kv_offload_pending_store_blocks"),)
+    ),
+    Quantity("simple_info", "gauge", (_c("vllm:simple_kv_offload_info"),), by="backend"),
+    # LMCache (lmcache:*, labels model_name/worker_id/role/served_model_name): rewritten
+    # onto (served model, engine "0") by exporter.backends.lmcache_samples before this.
+    Quantity("lmc_requested_tokens", "counter", (_c("lmcache:num_requested_tokens_total"),)),
+    Quantity("lmc_hit_tokens", "counter", (_c("lmcache:num_hit_tokens_total"),)),
+    Quantity("lmc_stored_tokens", "counter", (_c("lmcache:num_stored_tokens_total"),)),
+    Quantity("lmc_lookup_tokens", "counter", (_c("lmcache:num_lookup_tokens_total"),)),
+    Quantity("lmc_lookup_hits", "counter", (_c("lmcache:num_lookup_hits_total"),)),
+    Quantity("lmc_retrieve_seconds", "counter", (_c("lmcache:time_to_retrieve_sum"),)),
+    Quantity("lmc_retrieves", "counter", (_c("lmcache:time_to_retrieve_count"),)),
+    Quantity("lmc_store_seconds", "counter", (_c("lmcache:time_to_store_sum"),)),
+    Quantity("lmc_stores", "counter", (_c("lmcache:time_to_store_count"),)),
+    Quantity("lmc_evicted_keys", "counter", (_c("lmcache:local_cpu_evict_keys_count_total"),)),
+    Quantity("lmc_local_cache_bytes", "gauge", (_c("lmcache:local_cache_usage"),)),
+    # NixlConnector (disaggregated prefill): transfer histograms and failure counters.
+    Quantity("nixl_xfer_seconds", "counter", (_c("vllm:nixl_xfer_time_seconds_sum"),)),
+    Quantity("nixl_transfers", "counter", (_c("vllm:nixl_xfer_time_seconds_count"),)),
+    Quantity("nixl_post_seconds", "counter", (_c("vllm:nixl_post_time_seconds_sum"),)),
+    Quantity("nixl_bytes", "counter", (_c("vllm:nixl_bytes_transferred_sum"),)),
+    Quantity("nixl_failed", "counter", (_c("vllm:nixl_num_failed_transfers_total"),)),
+    Quantity(
+        "nixl_failed_notifications", "counter", (_c("vllm:nixl_num_failed_notifications_total"),)
+    ),
+    Quantity("nixl_expired", "counter", (_c("vllm:nixl_num_kv_expired_reqs_total"),)),
 )
 
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 OFFLOAD_CONFIG_INFO = "vllm:kv_offload_config_info"
 PROCESS_START = "process_start_time_seconds"
 ENGINE_LABELS = ("model_name", "engine")
+# Cardinality caps: a buggy or hostile endpoint must not grow the exporter's memory or
+# output without bound. Engine label sets beyond the cap and split-label values beyond
+# MAX_SPLIT_VALUES are dropped and counted (TargetSample.dropped_series).
+DEFAULT_MAX_ENGINES = 64
+MAX_SPLIT_VALUES = 16  # distinct values of a `by` label, per quantity and engine
 
 WANTED: frozenset[str] = frozenset(
     {c.name for q in QUANTITIES for c in q.candidates}
@@ -145,8 +237,9 @@ WANTED: frozenset[str] = frozenset(
 COUNTER_KEYS_PREFIXES: frozenset[str] = frozenset(q.key for q in QUANTITIES if q.kind == "counter")
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class EngineKey:
+class EngineKey(NamedTuple):
+    """(model_name, engine): a tuple, because it is hashed on every window lookup."""
+
     model_name: str
     engine: str
 
@@ -167,18 +260,64 @@ class TargetSample:
     cache_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # by engine
     process_start: float | None = None
     invalid: tuple[str, ...] = ()  # series dropped for NaN/Inf/negative counter values
+    dropped_series: int = 0  # series dropped by the cardinality caps
+    dropped_engines: int = 0  # engine label sets over max_engines
 
 
 def is_counter_key(key: str) -> bool:
     return key.split(":", 1)[0] in COUNTER_KEYS_PREFIXES
 
 
-def normalise(samples: Iterable[Sample], ts: float) -> TargetSample:
-    """Map raw vLLM samples onto canonical per-engine quantities."""
+def _engine_of(s: Sample) -> EngineKey | None:
+    model, engine = s.label("model_name"), s.label("engine")
+    if model is None or engine is None:
+        return None
+    return EngineKey(model, engine)
+
+
+def _kept_engines(
+    by_name: Mapping[str, list[Sample]], max_engines: int | None, prefer: Collection[EngineKey]
+) -> tuple[set[EngineKey] | None, int]:
+    """The engines to keep under the cap (None: all) and how many are dropped.
+
+    Engines in `prefer` come first, then the rest in sorted order.
+    """
+    if max_engines is None:
+        return None, 0
+    present: set[EngineKey] = set()
+    for q in QUANTITIES:
+        for cand in q.candidates:
+            for s in by_name.get(cand.name, ()):
+                if (ek := _engine_of(s)) is not None:
+                    present.add(ek)
+    if len(present) <= max_engines:
+        return None, 0
+    known = sorted(present.intersection(prefer))
+    rest = sorted(present.difference(prefer))
+    kept = set((known + rest)[: max(max_engines, 0)])
+    return kept, len(present) - len(kept)
+
+
+def normalise(
+    samples: Iterable[Sample],
+    ts: float,
+    *,
+    max_engines: int | None = None,
+    prefer: Collection[EngineKey] = (),
+) -> TargetSample:
+    """Map raw vLLM samples onto canonical per-engine quantities.
+
+    With `max_engines`, at most that many engine label sets are kept (those in `prefer`,
+    the engines already being tracked, first; then in sorted order, so the choice is
+    stable across scrapes); the series of the others are dropped and counted.
+    """
     by_name: dict[str, list[Sample]] = {}
     for s in samples:
         by_name.setdefault(s.name, []).append(s)
 
+    kept, dropped_engines = _kept_engines(by_name, max_engines, prefer)
+    dropped = 0
+    split_values: dict[tuple[EngineKey, str], set[str]] = {}
     counters: dict[EngineKey, dict[str, float]] = {}
     gauges: dict[EngineKey, dict[str, float]] = {}
     invalid: list[str] = []
@@ -190,10 +329,12 @@ def normalise(samples: Iterable[Sample], ts: float) -> TargetSample:
             for s in by_name.get(cand.name, ()):
                 if any(s.label(k) != v for k, v in cand.match):
                     continue
-                model, engine = s.label("model_name"), s.label("engine")
-                if model is None or engine is None:
+                ek = _engine_of(s)
+                if ek is None:
                     continue
-                ek = EngineKey(model, engine)
+                if kept is not None and ek not in kept:
+                    dropped += 1
+                    continue
                 if ek in won:
                     continue  # an earlier generation's series already supplies this engine
                 key = q.key
@@ -201,6 +342,11 @@ def normalise(samples: Iterable[Sample], ts: float) -> TargetSample:
                     part = s.label(q.by)
                     if part is None:
                         continue
+                    parts = split_values.setdefault((ek, q.key), set())
+                    if part not in parts and len(parts) >= MAX_SPLIT_VALUES:
+                        dropped += 1
+                        continue
+                    parts.add(part)
                     key = f"{q.key}:{part}"
                 chosen.add(ek)
                 value = s.value
@@ -209,20 +355,28 @@ def normalise(samples: Iterable[Sample], ts: float) -> TargetSample:
                     continue
                 target.setdefault(ek, {})[key] = value
             won |= chosen
+    keys = set(counters) | set(gauges)
+    engine_labels = {ek.engine for ek in keys}
     cache_config: dict[str, dict[str, str]] = {}
     for s in by_name.get(CACHE_CONFIG_INFO, ()):
         engine = s.label("engine") or "0"
+        if kept is not None and engine not in engine_labels:
+            dropped += 1
+            continue
         cache_config[engine] = dict(s.labels)
     offload_config: dict[EngineKey, dict[str, str]] = {}
     for s in by_name.get(OFFLOAD_CONFIG_INFO, ()):
-        model, engine = s.label("model_name"), s.label("engine")
-        if model is not None and engine is not None:
-            offload_config[EngineKey(model, engine)] = dict(s.labels)
+        ek = _engine_of(s)
+        if ek is None:
+            continue
+        if kept is not None and ek not in kept:
+            dropped += 1
+            continue
+        offload_config[ek] = dict(s.labels)
     process_start = None
     for s in by_name.get(PROCESS_START, ()):
         if math.isfinite(s.value):
             process_start = s.value
-    keys = set(counters) | set(gauges)
     engines = {
         ek: EngineSample(
             counters=counters.get(ek, {}),
@@ -237,4 +391,6 @@ def normalise(samples: Iterable[Sample], ts: float) -> TargetSample:
         cache_config=cache_config,
         process_start=process_start,
         invalid=tuple(invalid),
+        dropped_series=dropped,
+        dropped_engines=dropped_engines,
     )

@@ -44,6 +44,8 @@ class ReplayServer:
     version: str = "0.26.0"
     port: int = field(default_factory=free_port)
     requests: int = 0
+    in_flight: int = 0  # requests being answered whose client is still connected
+    max_in_flight: int = 0  # the most at once since start() (fault tests: no pile-up)
     _thread: threading.Thread | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _runner: web.AppRunner | None = None
@@ -73,9 +75,24 @@ class ReplayServer:
         return self.replies[-1] if self.hold_last else self.replies[i % len(self.replies)]
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._answer(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         reply = self._pick()
         if reply.delay:
-            await asyncio.sleep(reply.delay)
+            # A hang that ends when the client gives up, so in_flight counts live requests.
+            loop = asyncio.get_running_loop()
+            until = loop.time() + reply.delay
+            while loop.time() < until:
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    return web.Response(status=499)
+                await asyncio.sleep(min(0.05, until - loop.time()))
         if reply.stream_bytes:
             resp = web.StreamResponse(status=reply.status)
             resp.content_type = "text/plain"

@@ -37,7 +37,7 @@ def test_offload_run_ratios_equal_what_the_raw_counters_imply():
     assert d.store_bandwidth == pytest.approx(2.82591232e09 / 0.08171545618772509)
     # 28 layers x 8 KV heads x 128 head_dim x K,V x bf16 = 114688 B per token.
     assert d.kv_bytes_per_token == pytest.approx(114688)
-    assert d.kv_bytes_per_token_method == "offload_transfers"
+    assert d.kv_bytes_per_token_method == "offload_loads"
     assert d.offload_buffer_bytes == 0.5 * (1 << 30)
     assert d.transfer_tokens_per_second == pytest.approx(d.load_bandwidth / 114688)
     assert not d.transfer_estimated

@@ -329,7 +329,7 @@ def test_derived_values_equal_what_the_counters_imply(run: Run) -> None:
         assert not d.offload_enabled
         assert d.offload_hit_ratio is None and d.reuse_ratio is None and d.load_bandwidth is None
         return
-    assert d.kv_bytes_per_token_method == "offload_transfers"
+    assert d.kv_bytes_per_token_method == "offload_loads"
     assert d.offload_enabled
     assert d.offload_buffer_bytes == float(run.offload_flag) * GIB  # type: ignore[arg-type]
     ext = delta(first, last, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
@@ -349,16 +349,8 @@ def test_derived_values_equal_what_the_counters_imply(run: Run) -> None:
     assert old == value(last, "vllm:kv_offload_load_bytes_total")
     # Every transfer moves whole blocks of the model's size.
     assert store_b % shape.kv_bytes_per_block == 0 and load_b % shape.kv_bytes_per_block == 0
-    # The bytes per token from the run's own transfers: store bytes over allocated chunks.
-    # vLLM's allocation-size histogram also counts allocations that then fail (ARC) and the
-    # secondary tier's (tiering), which the exporter does not yet account for: reported.
-    failures = delta(first, last, "vllm:kv_offload_allocation_failure_total")
-    if failures and d.kv_bytes_per_token != shape.kv_bytes_per_token:
-        pytest.xfail(
-            f"kv_bytes_per_token from offload_transfers is {d.kv_bytes_per_token:.0f}, not "
-            f"{shape.kv_bytes_per_token}: {failures:.0f} allocation failures are in "
-            "vllm:kv_offload_cpu_allocation_size_sum (exporter/derive.py, reported)"
-        )
+    # The bytes per token from the run's own loads equals the model's, also where stores
+    # failed to allocate (ARC) or a secondary tier shares the allocation histogram (tiering).
     assert d.kv_bytes_per_token == shape.kv_bytes_per_token  # from the model config
 
 
@@ -460,17 +452,28 @@ def category(run: Run) -> str:
     return f"{run.run['shape']}-{'offload' if run.offload_flag else 'nooffload'}"
 
 
+# What the advisor may say when the fits cannot separate the costs precisely enough: it says
+# so, with the interval, instead of guessing. These runs are short (7 to 24 one-second
+# intervals of a periodic workload); the explanations name what is missing.
+UNDECIDED = {"reload_benefit_unmeasured", "speedup_uncertain", "transfer_rate_unknown"}
+
+
 def check_advice(run: Run, a: Advice, *, whole: bool) -> None:
     cat = category(run)
+    if a.action == Action.INSUFFICIENT_DATA and whole:
+        assert a.reason in UNDECIDED, a.reason
+        assert (
+            "+-" in a.explanation or "not yet" in a.explanation or "not measured" in (a.explanation)
+        )
     if cat == "small-offload":
-        # Reloading does not beat recomputing on a 0.6B model on an H200.
+        # Reloading does not beat recomputing on a 0.6B model on an H200: never keep or grow.
         assert a.action not in (Action.KEEP, Action.GROW_BUFFER, Action.SHRINK_BUFFER)
         if whole:
-            assert a.action in (Action.DISABLE_OFFLOAD, Action.NO_ACTION)
+            assert a.action in (Action.DISABLE_OFFLOAD, Action.NO_ACTION, Action.INSUFFICIENT_DATA)
     elif cat == "small-nooffload":
         assert a.action != Action.ENABLE_OFFLOAD
         if whole:
-            assert a.action == Action.NO_ACTION
+            assert a.action in (Action.NO_ACTION, Action.INSUFFICIENT_DATA)
     elif cat == "large-nooffload":
         assert a.action != Action.NO_ACTION
         if whole:
@@ -480,6 +483,22 @@ def check_advice(run: Run, a: Advice, *, whole: bool) -> None:
         assert a.action not in (Action.DISABLE_OFFLOAD, Action.NO_ACTION)
         if whole:
             assert a.action in (Action.KEEP, Action.GROW_BUFFER)
+
+
+def test_small_model_verdicts_include_a_decision():
+    """Across the 0.6B runs the advisor reaches a verdict (not only "insufficient") at least
+    once with offload on and once without, and every verdict is against offload."""
+    verdicts = {}
+    for run in RUNS:
+        if run.run["shape"] != "small":
+            continue
+        a = replay(run)[-1].advice
+        verdicts[run.name] = a.action
+    on = [v for k, v in verdicts.items() if RUNS[IDS.index(k)].offload_flag]
+    off = [v for k, v in verdicts.items() if not RUNS[IDS.index(k)].offload_flag]
+    assert Action.DISABLE_OFFLOAD in on
+    assert Action.NO_ACTION in off
+    assert not {Action.KEEP, Action.GROW_BUFFER, Action.ENABLE_OFFLOAD} & set(verdicts.values())
 
 
 @pytest.mark.parametrize("run", RUNS, ids=IDS)
@@ -495,22 +514,7 @@ def test_advice_over_the_whole_run(run: Run) -> None:
     assert default.action == Action.INSUFFICIENT_DATA and default.reason == "window_too_short"
 
 
-# Known miss, reported to the lead (docs/gpu-acceptance.md, "what did not match"): after W1
-# alone the large 0.57 GiB run's prefill fit (6 intervals, requests and computed tokens in
-# near lockstep) has a negative slope, which the advisor reads as "recompute is free".
-W1_KNOWN = {"large-c025": "prefill fit of 6 collinear intervals has a negative slope"}
-
-
-@pytest.mark.parametrize(
-    "run",
-    [
-        pytest.param(r, marks=pytest.mark.xfail(reason=W1_KNOWN[r.name], strict=False))
-        if r.name in W1_KNOWN
-        else r
-        for r in RUNS
-    ],
-    ids=IDS,
-)
+@pytest.mark.parametrize("run", RUNS, ids=IDS)
 def test_advice_after_the_first_workload(run: Run) -> None:
     until = run.windows["W2"][0] - 0.5
     cycles = replay(run, EVIDENCE_W1, until)

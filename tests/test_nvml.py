@@ -798,3 +798,19 @@ def test_poller_cost_bench_runs_on_the_recordings():
     assert "error" not in result, result
     assert result["methods"] == ["field_counter"] and result["gpus"] == 1
     assert result["counter_reads_per_second"] > 0 and result["cpu_seconds_per_second"] >= 0
+
+
+def test_auto_poll_interval_follows_the_link():
+    from exporter.sources.nvml import auto_poll_interval, link_bandwidth_bytes
+
+    gen5 = link_bandwidth_bytes(5, 16)
+    assert gen5 is not None
+    # 70% of the 68 ms a 32-bit counter needs to wrap at Gen5 x16 line rate.
+    assert auto_poll_interval([gen5]) == pytest.approx(0.7 * (1 << 32) / gen5)
+    assert 0.047 < auto_poll_interval([gen5]) < 0.048
+    # Slower links would allow longer waits, but the wait is capped; faster ones shorten it.
+    assert auto_poll_interval([link_bandwidth_bytes(4, 16)]) == 0.05
+    gen6 = link_bandwidth_bytes(6, 16)
+    assert gen6 is not None and auto_poll_interval([gen5, gen6]) < auto_poll_interval([gen5])
+    # Unknown links: the fastest schedule.
+    assert auto_poll_interval([None]) == 0.01

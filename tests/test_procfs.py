@@ -22,7 +22,7 @@ from exporter.config import Config
 from exporter.derive import DeriveSettings, derive_target
 from exporter.runtime import Exporter, build_sources
 from exporter.server import make_app
-from exporter.sources import CollectError, ErrorKind, execute
+from exporter.sources import CollectError, ErrorKind, execute, procfs
 from exporter.sources.cgroup import CgroupSource
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.procfs import (
@@ -651,3 +651,21 @@ def test_unreclaimable_counts_a_region_shared_by_two_processes_once():
     )
     snap = ProcfsSnapshot(ENGINE, "pid", (parent, child), None, None, ())
     assert snap.unreclaimable_bytes() == 100 + shared_rss + 7 + 5 * MIB
+
+
+def test_pinned_bytes_counts_a_file_mapped_twice_once():
+    # vLLM 0.26's tiering spec maps its /dev/shm region twice in one process (seen on the
+    # H200, small-tier): the kernel reports Rss per mapping, the pages exist once.
+    region = "/dev/shm/vllm_offload_engine0.mmap"
+    text = "".join(
+        f"{lo}-{hi} rw-s 00000000 00:1a 4242 {region}\nSize: 262144 kB\nRss: 262144 kB\n"
+        "Locked: 0 kB\n"
+        for lo, hi in (("7f0000000000", "7f0010000000"), ("7f2000000000", "7f2010000000"))
+    ) + (
+        "7f3000000000-7f3002000000 rw-s 00000000 00:01 99 /dev/zero (deleted)\n"
+        "Size: 32768 kB\nRss: 32768 kB\nLocked: 0 kB\n"
+        "7f4000000000-7f4002000000 rw-s 00000000 00:01 100 /dev/zero (deleted)\n"
+        "Size: 32768 kB\nRss: 32768 kB\nLocked: 0 kB\n"
+    )
+    maps = procfs.parse_smaps(text)
+    assert procfs.pinned_bytes(maps) == (256 + 32 + 32) * 1024 * 1024

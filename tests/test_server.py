@@ -99,3 +99,18 @@ async def test_metrics_never_waits_on_a_slow_target():
                 )
                 == 1.0
             )
+
+
+async def test_two_targets_share_one_help_and_type_block(offload_replay, promtool):
+    with ReplayServer(files([B / "metrics_before.txt", B / "metrics_after.txt"])) as other:
+        async with running(config(offload_replay.url, other.url)) as (exp, client):
+            await exp.run_cycle()
+            await exp.run_cycle()
+            body = await (await client.get("/metrics")).read()
+    text = body.decode()
+    assert text.count("# TYPE kvoffload_target_up gauge") == 1
+    assert text.count("kvoffload_target_up{") == 2
+    proc = subprocess.run(
+        [promtool, "check", "metrics"], input=body, capture_output=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()

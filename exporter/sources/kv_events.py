@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import zmq
 
-from exporter.advisor import WhatIfPoint, WhatIfState
+from exporter.advisor import PolicyPoint, WhatIfPoint, WhatIfState
 from exporter.catalogue import Family
 from exporter.derive import EngineDerived
 from exporter.kvevents_codec import (
@@ -66,6 +66,9 @@ log = logging.getLogger("kvoe.kv_events")
 
 # A forward jump this large is not a gap that replay could fill: treat it as a restart.
 MAX_GAP = 1 << 24
+# Eviction policies and store thresholds replayed side by side at one size (the configured
+# buffer, or the recommended one with offload off): the advisor says which serves more.
+POLICY_COMBOS: tuple[tuple[str, int], ...] = (("lru", 0), ("arc", 0), ("lru", 2), ("arc", 2))
 # A vLLM without KV events (or without /kv_event_sources) is asked again this often.
 DISCOVERY_RETRY_SECONDS = 30.0
 RECORD_FLUSH_SECONDS = 1.0
@@ -97,6 +100,29 @@ class StreamSpec:
     address: str
     bind: bool
     replay: str | None = None
+
+
+def _engine_policy(d: EngineDerived) -> tuple[str | None, int | None]:
+    """The engine's eviction policy and active store threshold, where its command line
+    gives them; (None, None) leaves the configured-size simulation to the --whatif-* flags."""
+    b = d.backend
+    if b is None or b.config.source != "cmdline" or b.config.connector != "OffloadingConnector":
+        return None, None
+    policy = b.config.eviction_policy
+    threshold = int(b.config.store_threshold) if b.config.store_threshold.isdigit() else None
+    return (policy if policy in ("lru", "arc") else None), threshold
+
+
+def _policy_size(d: EngineDerived, recommended: float | None) -> float | None:
+    """The size the policy comparison runs at: the configured CPU buffer of a native
+    OffloadingConnector (the only backend with these policies), else with offload off
+    the advisor's recommendation; None where no comparison applies."""
+    connector = d.backend.config.connector if d.backend is not None else "unknown"
+    if d.offload_enabled:
+        if connector in ("OffloadingConnector", "unknown") and d.offload_buffer_bytes:
+            return d.offload_buffer_bytes
+        return None
+    return recommended or None
 
 
 def _recompute_rate(d: EngineDerived) -> float | None:
@@ -367,12 +393,21 @@ class EngineSnapshot:
     sim_start: float | None
     # (bucket start, recomputed tokens, stored tokens, configured-size hits, hits per size...)
     buckets: tuple[tuple[float, ...], ...]
+    policy_blocks: int | None = None
+    policy_start: float | None = None
+    # (bucket start, hits of each POLICY_COMBOS entry...)
+    policy_buckets: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     capacities: tuple[int, ...]
     configured_blocks: int | None
+    policy_blocks: int | None = None  # size of the policy comparison (None: not run)
+    # The engine's own policy and threshold for the configured-size simulation, when its
+    # command line says them (None: --whatif-policy / --whatif-store-threshold).
+    policy: str | None = None
+    store_threshold: int | None = None
 
 
 class _EngineSim:
@@ -388,10 +423,27 @@ class _EngineSim:
         self.batches = 0
         maxlen = max(8, int(settings.history_seconds / settings.bucket_seconds))
         self.buckets: deque[list[float]] = deque(maxlen=maxlen)
+        self.policy_sims: list[VllmCpuTier] = []
+        self.policy_start: float | None = None
+        self.policy_buckets: deque[list[float]] = deque(maxlen=maxlen)
+
+    def _configure_policies(self, blocks: int | None) -> None:
+        self.policy_sims = (
+            [VllmCpuTier(blocks, policy=p, store_threshold=t) for p, t in POLICY_COMBOS]
+            if blocks
+            else []
+        )
+        self.policy_buckets.clear()
+        self.policy_start = None if self.last_ts is None else self.last_ts + 1e-6
 
     def configure(self, cfg: SimConfig) -> None:
         s = self.settings
-        self.config = cfg
+        old, self.config = self.config, cfg
+        if old is not None and replace(old, policy_blocks=cfg.policy_blocks) == cfg:
+            # Only the comparison size moved: the curve and its history stay.
+            self._configure_policies(cfg.policy_blocks)
+            return
+        self._configure_policies(cfg.policy_blocks)
         self.model = make_model(
             s.model,
             cfg.capacities,
@@ -400,7 +452,13 @@ class _EngineSim:
             sample_rate=s.sample_rate,
         )
         self.configured = (
-            VllmCpuTier(cfg.configured_blocks, policy=s.policy, store_threshold=s.store_threshold)
+            VllmCpuTier(
+                cfg.configured_blocks,
+                policy=cfg.policy or s.policy,
+                store_threshold=(
+                    cfg.store_threshold if cfg.store_threshold is not None else s.store_threshold
+                ),
+            )
             if cfg.configured_blocks is not None
             else None
         )
@@ -409,8 +467,9 @@ class _EngineSim:
 
     def restart(self) -> None:
         self.builder.reset()
-        if self.config is not None:
-            self.configure(self.config)
+        cfg, self.config = self.config, None  # everything starts cold, the curve included
+        if cfg is not None:
+            self.configure(cfg)
 
     def _bucket(self, ts: float) -> list[float]:
         step = self.settings.bucket_seconds
@@ -445,12 +504,29 @@ class _EngineSim:
         b[3] += conf
         for i, h in enumerate(hits[: len(b) - 4]):
             b[4 + i] += h
+        if self.policy_sims:
+            if self.policy_start is None:
+                self.policy_start = ts
+            pb = self._policy_bucket(ts)
+            for i, sim in enumerate(self.policy_sims):
+                pb[1 + i] += sim.process_batch(ts, accesses)[0]
+
+    def _policy_bucket(self, ts: float) -> list[float]:
+        step = self.settings.bucket_seconds
+        start = math.floor(ts / step) * step
+        pbs = self.policy_buckets
+        if pbs and pbs[-1][0] >= start:
+            return pbs[-1]  # the same bucket, or the clock went back: fold into the newest
+        b = [start] + [0.0] * len(POLICY_COMBOS)
+        pbs.append(b)
+        return b
 
     def snapshot(self) -> EngineSnapshot:
         st = self.builder.stats
         tracked = self.model.tracked_blocks if self.model is not None else 0
         if self.configured is not None:
             tracked += self.configured.tracked_blocks
+        tracked += sum(p.tracked_blocks for p in self.policy_sims)
         return EngineSnapshot(
             rank=self.rank,
             events=dict(st.events),
@@ -464,6 +540,9 @@ class _EngineSim:
             configured_blocks=self.config.configured_blocks if self.config else None,
             sim_start=self.sim_start,
             buckets=tuple(tuple(b) for b in self.buckets),
+            policy_blocks=self.config.policy_blocks if self.config and self.policy_sims else None,
+            policy_start=self.policy_start,
+            policy_buckets=tuple(tuple(b) for b in self.policy_buckets),
         )
 
 
@@ -610,6 +689,7 @@ class KvEventsSource:
         self._seen_gaps = 0
         self._seen_bad = 0
         self._configs: dict[int, SimConfig] = {}
+        self._recommended: dict[EngineKey, float | None] = {}
         self._discovery_error: CollectError | None = None
         self._discover_after = 0.0
 
@@ -792,7 +872,19 @@ class KvEventsSource:
         configured = None
         if d.offload_enabled and d.offload_buffer_bytes:
             configured = blocks_for_bytes(int(d.offload_buffer_bytes), per_block, bpc)
-        return SimConfig(caps, configured)
+        policy, threshold = _engine_policy(d)
+        size = _policy_size(d, self._recommended.get(d.key))
+        # Four more exact simulators at one size; --whatif-model stack is chosen to save
+        # exactly that, so the comparison runs with the exact (vllm) model only.
+        exact = self.settings.model == "vllm"
+        policy_blocks = blocks_for_bytes(int(size), per_block, bpc) if size and exact else None
+        return SimConfig(caps, configured, policy_blocks, policy, threshold)
+
+    def note_recommended(self, label: str, key: EngineKey, size: float | None) -> None:
+        """The advisor's recommended buffer (Exporter.advise): with offload off, the policy
+        comparison runs at this size (reconfigured on the next cycle)."""
+        if label == self.label:
+            self._recommended[key] = size
 
     def observe(self, derived: Mapping[str, Sequence[EngineDerived]]) -> None:
         """(Re)size the simulators once the KV bytes per block are known or change."""
@@ -826,19 +918,10 @@ class KvEventsSource:
         es = self._snapshots().get(rank)
         if es is None or es.capacities is None or es.sim_start is None:
             return None
-        prompt = 0.0
-        t0 = math.inf
-        t1 = -math.inf
-        for iv in self.target.window.intervals():
-            if iv.t0 < es.sim_start:
-                continue  # the simulator had not started: its hits would be missing
-            deltas = iv.deltas.get(d.key)
-            if not deltas or "prompt_tokens" not in deltas:
-                continue
-            prompt += deltas["prompt_tokens"]
-            t0, t1 = min(t0, iv.t0), max(t1, iv.t1)
-        if prompt <= 0 or t1 <= t0:
+        span = self._prompt_span(d.key, es.sim_start)
+        if span is None:
             return None
+        prompt, t0, t1 = span
         k = len(es.capacities)
         hits = [0.0] * k
         conf = 0.0
@@ -857,8 +940,69 @@ class KvEventsSource:
             recomputed,
         )
 
+    def _prompt_span(self, key: EngineKey, start: float) -> tuple[float, float, float] | None:
+        """Prompt tokens and the time span of the window's intervals from `start` on."""
+        prompt = 0.0
+        t0 = math.inf
+        t1 = -math.inf
+        for iv in self.target.window.intervals():
+            if iv.t0 < start:
+                continue  # the simulator had not started: its hits would be missing
+            deltas = iv.deltas.get(key)
+            if not deltas or "prompt_tokens" not in deltas:
+                continue
+            prompt += deltas["prompt_tokens"]
+            t0, t1 = min(t0, iv.t0), max(t1, iv.t1)
+        if prompt <= 0 or t1 <= t0:
+            return None
+        return prompt, t0, t1
+
+    def policy_points(self, d: EngineDerived) -> tuple[PolicyPoint, ...]:
+        """Hit ratio of each POLICY_COMBOS entry at the comparison size, over the window."""
+        try:
+            rank = int(d.key.engine)
+        except ValueError:
+            return ()
+        es = self._snapshots().get(rank)
+        cfg = self._configs.get(rank)
+        if es is None or cfg is None or es.policy_blocks is None or es.policy_start is None:
+            return ()
+        if es.policy_blocks != cfg.policy_blocks:
+            return ()  # the new size is not simulated yet
+        size = _policy_size(d, self._recommended.get(d.key))
+        span = self._prompt_span(d.key, es.policy_start)
+        if span is None or not size:
+            return ()
+        prompt, t0, t1 = span
+        hits = [0.0] * len(POLICY_COMBOS)
+        for b in es.policy_buckets:
+            if t0 <= b[0] < t1 and len(b) == 1 + len(POLICY_COMBOS):
+                for i in range(len(POLICY_COMBOS)):
+                    hits[i] += b[1 + i]
+        policy, threshold = _engine_policy(d)
+        own = (policy, threshold or 0) if d.offload_enabled and policy is not None else None
+        return tuple(
+            PolicyPoint(p, t, float(size), min(1.0, h / prompt), (p, t) == own)
+            for (p, t), h in zip(POLICY_COMBOS, hits, strict=True)
+        )
+
+    def policy_state(
+        self, label: str, key: EngineKey, d: EngineDerived
+    ) -> tuple[PolicyPoint, ...] | None:
+        """The advisor's policy comparison (Exporter._hook); only for this target."""
+        if label != self.label:
+            return None
+        return self.policy_points(d) or None
+
     def derived_families(self, derived: Mapping[str, Sequence[EngineDerived]]) -> Iterable[Family]:
         self.observe(derived)
+        policy_ratio = Family("kvoffload_whatif_policy_hit_ratio")
+        for d in derived.get(self.label, ()):
+            for p in self.policy_points(d):
+                policy_ratio.add(
+                    [self.label, d.key.model_name, d.key.engine, p.policy, str(p.store_threshold)],
+                    p.hit_ratio,
+                )
         ratio = Family("kvoffload_whatif_offload_hit_ratio")
         saved = Family("kvoffload_whatif_ttft_saved_seconds_per_second")
         configured = Family("kvoffload_whatif_configured_hit_ratio")
@@ -876,7 +1020,7 @@ class KvEventsSource:
                     saved.add([*labels, str(size)], ttft)
             if view.configured_hits is not None:
                 configured.add(labels, min(1.0, view.configured_hits / view.prompt_tokens))
-        return [ratio, saved, configured]
+        return [ratio, saved, configured, policy_ratio]
 
     def whatif_state(self, label: str, key: EngineKey, d: EngineDerived) -> WhatIfState | None:
         """The advisor's view (Exporter._hook); answers only for this source's target."""

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from exporter.catalogue import Family
 from exporter.logs import log_event
 from exporter.sources import Clock, CollectError, ErrorKind, Health
+from exporter.vllm_cmdline import LaunchConfig, is_vllm_server, launch_config, parse_environ
 
 if TYPE_CHECKING:
     from exporter.derive import EngineDerived
@@ -39,6 +40,8 @@ OFFLOAD_SHM_PREFIX = "/dev/shm/vllm_offload_"
 # Smallest group of identical shared anonymous mappings taken for an offload pool: CUDA's
 # own shared mappings and vLLM's small pinned staging buffers stay well below it.
 MIN_POOL_GROUP_BYTES = 64 * MIB
+DISCOVERY_RETRY = 30.0
+SMAPS_REFRESH = 30.0
 DEFAULT_VLLM_PORT = 8000
 
 
@@ -197,7 +200,31 @@ def is_pinned_mapping(m: SmapsEntry) -> bool:
 
 
 def pinned_bytes(maps: Iterable[SmapsEntry]) -> int:
-    return sum(m.rss for m in maps if is_pinned_mapping(m))
+    """Resident bytes of the pinned mappings, each backing object counted once.
+
+    vLLM 0.26's tiering spec maps its /dev/shm region twice in the same process; the kernel
+    reports each mapping's Rss, but the pages exist once. Per file, the total is capped at
+    the length of the file ranges the mappings cover.
+    """
+    total = 0
+    by_file: dict[tuple[str, int], list[SmapsEntry]] = {}
+    for m in maps:
+        if not is_pinned_mapping(m):
+            continue
+        if m.inode == 0 or m.path == SHARED_ANON_PATH:
+            total += m.rss  # every shared anonymous mapping is its own object
+        else:
+            by_file.setdefault(m.key, []).append(m)
+    for entries in by_file.values():
+        spans = sorted((e.offset, e.offset + (e.end - e.start)) for e in entries)
+        covered, reach = 0, -1
+        for lo, hi in spans:
+            if hi <= reach:
+                continue
+            covered += hi - max(lo, reach)
+            reach = hi
+        total += min(sum(e.rss for e in entries), covered)
+    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +436,13 @@ class ProcFS:
     def cmdline(self, pid: int) -> tuple[str, ...]:
         return parse_cmdline((self.root / str(pid) / "cmdline").read_bytes())
 
+    def environ(self, pid: int) -> dict[str, str] | None:
+        """The process environment; None where it is not ours to read (ptrace access)."""
+        try:
+            return parse_environ((self.root / str(pid) / "environ").read_bytes())
+        except OSError:
+            return None
+
     def listeners(self, pid: int | None = None) -> list[Listener]:
         base = self.root / "net" if pid is None else self.root / str(pid) / "net"
         out: list[Listener] = []
@@ -456,6 +490,9 @@ class ProcfsSnapshot:
     dev_shm: tuple[int, int] | None  # (size, used) bytes
     pool: PoolEstimate | None
     smaps_denied: tuple[int, ...]
+    # The vLLM server's command line (its KV-transfer flags) and environment (None: unreadable).
+    launch_argv: tuple[str, ...] = ()
+    launch_environ: Mapping[str, str] | None = None
 
     def unreclaimable_bytes(self) -> int | None:
         """Anon + shmem of the processes, each shared object once: what cannot be
@@ -513,6 +550,8 @@ class ProcfsSource:
         self.statvfs = statvfs
         self.snapshot: ProcfsSnapshot | None = None
         self._root: _Root | None = None
+        self._miss: tuple[float, CollectError] | None = None  # last failed discovery
+        self._smaps_cache: dict[int, tuple[tuple[int, int], float, list[SmapsEntry] | None]] = {}
         self._denied_logged: set[int] = set()
 
     async def start(self) -> None:
@@ -537,6 +576,13 @@ class ProcfsSource:
 
     def pool(self) -> PoolEstimate | None:
         return self.snapshot.pool if self.snapshot else None
+
+    def launch_config(self, target: str) -> LaunchConfig | None:
+        """The target's KV-transfer configuration from its command line (Exporter._hook)."""
+        snap = self.snapshot
+        if target != self.target or snap is None or not snap.launch_argv:
+            return None
+        return launch_config(snap.launch_argv, snap.launch_environ)
 
     # discovery ---------------------------------------------------------------------------
 
@@ -595,6 +641,20 @@ class ProcfsSource:
             return self._root
         if self._root is not None and self._still(self._root):
             return self._root
+        # Scanning every process's command line costs ~10 ms on a busy host; while nothing is
+        # found, look again only every DISCOVERY_RETRY seconds.
+        if self._miss is not None and time.monotonic() - self._miss[0] < DISCOVERY_RETRY:
+            raise self._miss[1]
+        try:
+            root = self._scan()
+        except CollectError as err:
+            if err.absent:
+                self._miss = (time.monotonic(), err)
+            raise
+        self._miss = None
+        return root
+
+    def _scan(self) -> _Root:
         try:
             all_pids = self.fs.pids()
         except OSError as exc:
@@ -679,14 +739,26 @@ class ProcfsSource:
         if status.state == "Z":
             return None
         maps: list[SmapsEntry] | None
-        try:
-            maps = parse_smaps(self.fs.text(pid, "smaps"))
-        except OSError as exc:
-            if _vanished(exc) and not (self.fs.root / str(pid)).exists():
-                return None
-            maps = None  # EACCES without ptrace rights: pinned stays unknown, rest is known
-        except (ValueError, IndexError):
-            maps = None
+        st = self._stat(pid)
+        ident = (pid, st.starttime if st is not None else -1)
+        cached = self._smaps_cache.get(pid)
+        now = time.monotonic()
+        if cached is not None and cached[0] == ident and now - cached[1] < SMAPS_REFRESH:
+            # A large process's smaps is thousands of mappings (~10 ms to read and parse);
+            # pinned pools are allocated at start-up, so a slower refresh loses nothing.
+            maps = cached[2]
+        else:
+            try:
+                maps = parse_smaps(self.fs.text(pid, "smaps"))
+            except OSError as exc:
+                if _vanished(exc) and not (self.fs.root / str(pid)).exists():
+                    return None
+                maps = None  # EACCES without ptrace rights: pinned stays unknown
+            except (ValueError, IndexError):
+                maps = None
+            if maps is not None:
+                maps = [m for m in maps if is_pinned_mapping(m)]
+            self._smaps_cache[pid] = (ident, now, maps)
         role = role_of(status.name, argv, listener=pid == root.pid and root.method == "port")
         pinned_maps = tuple(m for m in maps or () if is_pinned_mapping(m))
         mem = ProcessMemory(
@@ -716,6 +788,21 @@ class ProcfsSource:
                     continue
         return out
 
+    def _launch(self, root_pid: int) -> tuple[tuple[str, ...], Mapping[str, str] | None]:
+        """argv and environment of the process holding vLLM's serving flags: the root, or
+        (a root found by --vllm-pid may be the EngineCore, titled by setproctitle) the
+        nearest ancestor whose command line has flags."""
+        pid = root_pid
+        for _ in range(4):
+            argv = self._argv(pid)
+            if is_vllm_server(argv):
+                return argv, self.fs.environ(pid)
+            st = self._stat(pid)
+            if st is None or st.ppid <= 1:
+                break
+            pid = st.ppid
+        return (), None
+
     def _dev_shm(self, root_pid: int) -> tuple[int, int] | None:
         # The vLLM process' own view first (its mount namespace), then ours.
         for path in (self.fs.root / str(root_pid) / "root" / "dev" / "shm", self.shm):
@@ -729,7 +816,10 @@ class ProcfsSource:
         root = self._discover()
         processes: list[ProcessMemory] = []
         denied: list[int] = []
-        for pid in self._tree(root.pid):
+        tree = self._tree(root.pid)
+        for stale in set(self._smaps_cache) - set(tree):
+            del self._smaps_cache[stale]
+        for pid in tree:
             got = self._process(pid, root)
             if got is None:
                 continue
@@ -751,6 +841,7 @@ class ProcfsSource:
             )
             self._denied_logged |= new_denied
         shm_files = self._shm_files()
+        launch = self._launch(root.pid)
         all_maps = [m for p in processes for m in p.maps]
         pool = offload_pool(all_maps, shm_files)
         if pool is None and len(denied) == len(processes) and self.single_target and shm_files:
@@ -763,6 +854,8 @@ class ProcfsSource:
             dev_shm=self._dev_shm(root.pid),
             pool=pool,
             smaps_denied=tuple(denied),
+            launch_argv=launch[0],
+            launch_environ=launch[1],
         )
 
     # families ----------------------------------------------------------------------------

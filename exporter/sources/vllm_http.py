@@ -13,10 +13,11 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from exporter import expfmt
+from exporter.backends import lmcache_samples
 from exporter.catalogue import Family
 from exporter.logs import log_event
 from exporter.sources import Clock, CollectError, ErrorKind, Health
-from exporter.vllm_metrics import WANTED, normalise
+from exporter.vllm_metrics import DEFAULT_MAX_ENGINES, WANTED, normalise
 from exporter.window import TargetWindow
 
 log = logging.getLogger("kvoe.vllm")
@@ -38,6 +39,7 @@ class TargetConfig:
     name: str = ""
     pid: int | None = None
     kv_bytes_per_token: float | None = None
+    max_engines: int = DEFAULT_MAX_ENGINES  # engine label sets kept per scrape
 
     @property
     def label(self) -> str:
@@ -80,6 +82,8 @@ class VllmTarget:
         self.max_body_bytes = max_body_bytes
         self.version: str | None = None
         self.invalid_series: tuple[str, ...] = ()
+        self.series_dropped_total = 0
+        self.dropped_engines = 0  # in the last scrape; logged when it changes
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self._want_version = True
@@ -136,7 +140,13 @@ class VllmTarget:
             raise CollectError(ErrorKind.PARSE, f"body is not UTF-8: {exc}") from None
         except expfmt.ExpositionError as exc:
             raise CollectError(ErrorKind.PARSE, str(exc)) from None
-        sample = normalise(samples, self._clock())
+        sample = normalise(
+            lmcache_samples(samples),  # LMCache's series onto vLLM's engine key
+            self._clock(),
+            max_engines=self.config.max_engines,
+            prefer=self.window.last_seen.keys(),
+        )
+        self._note_dropped(sample.dropped_series, sample.dropped_engines)
         if not sample.engines:
             raise CollectError(
                 ErrorKind.PARSE,
@@ -170,6 +180,19 @@ class VllmTarget:
             self._want_version = False
             await self._fetch_version()
 
+    def _note_dropped(self, series: int, engines: int) -> None:
+        self.series_dropped_total += series
+        if engines != self.dropped_engines:
+            log_event(
+                log,
+                logging.WARNING if engines else logging.INFO,
+                "engine_cap_exceeded" if engines else "engine_cap_cleared",
+                target=self.config.label,
+                dropped_engines=engines,
+                max_engines=self.config.max_engines,
+            )
+            self.dropped_engines = engines
+
     async def _fetch_version(self) -> None:
         # Best effort: an old vLLM or a proxy may not serve /version.
         try:
@@ -202,6 +225,9 @@ class VllmTarget:
         resets = Family("kvoffload_target_resets_total")
         resets.add([label], h.errors_total.get(ErrorKind.COUNTER_RESET, 0))
         yield resets
+        dropped = Family("kvoffload_target_series_dropped_total")
+        dropped.add([label], self.series_dropped_total)
+        yield dropped
         covered = Family("kvoffload_target_window_covered_seconds")
         covered.add([label], self.window.covered_seconds())
         yield covered

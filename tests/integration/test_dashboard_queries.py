@@ -187,3 +187,78 @@ def test_previews_render_from_the_same_data(
                 assert drawn[dash.uid][panel.key] is not None, f"{title} drawn empty"
             else:
                 assert drawn[dash.uid][panel.key] is None
+
+
+# --- KV transfer backends (docs/backends.md) ------------------------------------------------
+# Each backend's row only has data while that backend runs, so its panels are proven against
+# their own scenario: recorded vLLM 0.26 runs and synthesized vLLM 0.32 / LMCache expositions,
+# replayed through the exporter and backfilled (dashboards/scenarios.py `backends`).
+
+BACKEND_DASHBOARDS = [
+    d for d in DASHBOARDS if any(Scenario.BACKENDS in p.scenarios for p in d.panels())
+]
+
+
+@pytest.fixture(scope="module")
+def backends_data(
+    tmp_path_factory: pytest.TempPathFactory, prometheus_available: None, promtool: str
+) -> Iterator[Data]:
+    with scenarios.backends(tmp_path_factory.mktemp("backends")) as data:
+        yield data
+
+
+def test_some_dashboard_has_backend_rows() -> None:
+    assert BACKEND_DASHBOARDS
+
+
+@pytest.mark.parametrize("dash", BACKEND_DASHBOARDS, ids=[d.uid for d in BACKEND_DASHBOARDS])
+def test_backend_panels_show_data(dash: Dashboard, backends_data: Data) -> None:
+    doc = DOCS[dash.uid]
+    emu = emulator(backends_data, doc)
+    chosen = emu.all_chosen()
+    for v in emu.variables:
+        assert emu.variable_options(v, chosen), f"{v['name']} is empty in the backends scenario"
+    by_title = specs(dash)
+    mine = [p for p in graph_panels(doc) if Scenario.BACKENDS in by_title[p["title"]].scenarios]
+    empty = []
+    for panel in mine:
+        results = emu.run_panel(panel, chosen)
+        if not any(r.finite_points() for r in results):
+            empty.append(f"{panel['title']}: {describe(results)}")
+        # every query of a backend panel returns something in its scenario
+        for target, result in zip(panel["targets"], results, strict=True):
+            if not result.finite_points():
+                empty.append(f"{panel['title']} {target['refId']}: {result.expr}")
+    assert not empty, "empty backend panels:\n" + "\n".join(empty)
+
+
+@pytest.mark.parametrize("dash", BACKEND_DASHBOARDS, ids=[d.uid for d in BACKEND_DASHBOARDS])
+def test_backend_panels_honour_the_variables(dash: Dashboard, backends_data: Data) -> None:
+    doc = DOCS[dash.uid]
+    emu = emulator(backends_data, doc)
+    nothing = {v["name"]: [NOTHING] for v in emu.variables}
+    by_title = specs(dash)
+    leaking = []
+    for panel in graph_panels(doc):
+        if Scenario.BACKENDS not in by_title[panel["title"]].scenarios:
+            continue
+        results = emu.run_panel(panel, nothing)
+        if any(r.series for r in results):
+            leaking.append(f"{panel['title']}: {describe(results)}")
+    assert not leaking, "panels ignore the variables:\n" + "\n".join(leaking)
+
+
+def test_backend_rows_stay_empty_without_their_backend(offload_data: Data) -> None:
+    """The H200 offload run uses none of these backends: their panels show nothing there."""
+    shown = []
+    for dash in BACKEND_DASHBOARDS:
+        doc = DOCS[dash.uid]
+        emu = emulator(offload_data, doc)
+        by_title = specs(dash)
+        for panel in graph_panels(doc):
+            spec = by_title[panel["title"]]
+            if Scenario.BACKENDS not in spec.scenarios or spec.key == "transfers.backend_config":
+                continue
+            if any(r.series for r in emu.run_panel(panel, emu.all_chosen())):
+                shown.append(panel["title"])
+    assert not shown, f"backend panels with data although no engine runs the backend: {shown}"

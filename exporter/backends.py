@@ -1,0 +1,465 @@
+"""KV transfer backends other than the plain CPU tier: tiering, simple offload, LMCache, NIXL.
+
+vLLM moves KV out of GPU memory through one connector interface, and the questions are
+the same for every backend (is it hitting, what does a transfer cost, does the link beat
+recompute), so their series feed the same derived metrics where they mean the same
+thing and get a few families of their own where they do not (docs/backends.md):
+
+- TieringOffloadingSpec (vLLM 0.32+ exports per-tier counters, label `tier` =
+  "0:primary", "1:fs", ...): per-tier chunk hit ratio, read (promotion) and write
+  (cascade) bandwidth, bytes moved.
+- SimpleCPUOffloadConnector (0.32+): share of offered stores that were stored / dropped.
+- LMCache (`lmcache:*`, its own labels model_name/worker_id/role/served_model_name, no
+  `engine`): `lmcache_samples` rewrites them onto the engine key vLLM uses, (served model
+  name, engine "0"), before normalisation, so hit ratios, transfer speed and the advisor
+  work unchanged; retrieve/store throughput in tokens/s.
+- NixlConnector (disaggregated prefill): KV transfer bandwidth, the same in tokens/s
+  against marginal recompute (`kvoffload_nixl_transfer_speedup_ratio`), failures, the
+  link type where it can be known.
+
+Everything here is pure: windows and launch configurations in, values or None out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from exporter.catalogue import Family
+from exporter.expfmt import Sample
+from exporter.vllm_cmdline import LaunchConfig
+from exporter.vllm_metrics import EngineKey, EngineSample
+from exporter.window import TargetWindow
+
+if TYPE_CHECKING:
+    from exporter.derive import EngineDerived
+
+NONE = "none"  # not applicable (no connector, a connector without a spec)
+UNKNOWN = "unknown"  # applicable but not observable (no command line, no series)
+
+# --- LMCache: onto vLLM's engine key -------------------------------------------------------
+
+LMCACHE_PREFIX = "lmcache:"
+LMCACHE_ENGINE = "0"
+# Gauges that are per-worker shares of one whole (bytes held): summed over workers.
+LMCACHE_SUMMED = frozenset({"lmcache:local_cache_usage"})
+
+
+def lmcache_samples(samples: Sequence[Sample]) -> list[Sample]:
+    """Replace `lmcache:*` samples with one sample per (served model, engine "0").
+
+    LMCache labels its series by worker (`worker_id`, `role`) and model, not by vLLM's DP
+    `engine`. Under tensor parallelism every worker counts the same tokens (each moves its
+    shard of the same prefix), so token counters and timings take the maximum over the
+    workers of a role, then add up the roles (lookups are counted by the scheduler role,
+    retrieves and stores by the workers); the bytes a worker holds are summed. The model
+    key is LMCache's `served_model_name`, else its `model_name`, which is what vLLM's own
+    `model_name` label holds. Non-LMCache samples pass through untouched.
+    """
+    if not any(s.name.startswith(LMCACHE_PREFIX) for s in samples):
+        return list(samples)
+    out: list[Sample] = []
+    per_role: dict[tuple[str, str, str], float] = {}  # (name, model, role) -> max
+    summed: dict[tuple[str, str], float] = {}
+    order: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for s in samples:
+        if not s.name.startswith(LMCACHE_PREFIX):
+            out.append(s)
+            continue
+        if not math.isfinite(s.value):
+            continue
+        model = s.label("served_model_name") or s.label("model_name")
+        if not model:
+            continue
+        key = (s.name, model)
+        if key not in seen:
+            seen.add(key)
+            order.append(key)
+        if s.name in LMCACHE_SUMMED:
+            summed[key] = summed.get(key, 0.0) + s.value
+            continue
+        rk = (s.name, model, s.label("role") or "")
+        per_role[rk] = max(per_role.get(rk, -math.inf), s.value)
+    by_key: dict[tuple[str, str], float] = dict(summed)
+    for (name, model, _), v in per_role.items():
+        by_key[(name, model)] = by_key.get((name, model), 0.0) + v
+    for name, model in order:
+        value = by_key[(name, model)]
+        out.append(Sample(name, (("engine", LMCACHE_ENGINE), ("model_name", model)), value))
+    return out
+
+
+# --- what the engine runs ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    """Label values of kvoffload_offload_config_info, and where they came from."""
+
+    connector: str
+    spec: str
+    eviction_policy: str
+    store_threshold: str
+    tiers: str
+    source: str  # cmdline | metrics
+
+    def labels(self) -> list[str]:
+        return [self.connector, self.spec, self.eviction_policy, self.store_threshold, self.tiers]
+
+
+def _has(counters: Mapping[str, float], *prefixes: str) -> bool:
+    return any(k.split(":", 1)[0] in prefixes for k in counters)
+
+
+def _tier_values(keys: Iterable[str]) -> list[str]:
+    tiers = {k.split(":", 1)[1] for k in keys if k.startswith("tier_") and ":" in k}
+    return sorted(tiers)
+
+
+def backend_config(
+    launch: LaunchConfig | None,
+    cache_config: Mapping[str, str] | None,
+    es: EngineSample,
+) -> BackendConfig:
+    """The engine's KV connector, offloading spec, eviction policy, threshold and tiers.
+
+    The command line decides where it is readable; otherwise the series the engine
+    exports say what they can (the policy and the threshold never show in them).
+    """
+    counters = es.counters
+    tier_keys = _tier_values(list(counters) + list(es.gauges))
+    if launch is not None:
+        connector = launch.connector or NONE
+        offloading = connector == "OffloadingConnector"
+        spec = launch.spec or NONE
+        policy = launch.eviction_policy if offloading else NONE
+        threshold = str(launch.threshold_active) if offloading else NONE
+        tiers = launch.tiers_label or (",".join(tier_keys) if tier_keys else NONE)
+        return BackendConfig(connector, spec, policy, threshold, tiers, "cmdline")
+    cc = cache_config or {}
+    size = cc.get("kv_offloading_size", "None")
+    backend = cc.get("kv_offloading_backend", "native")
+    offload_series = _has(counters, "load_bytes", "store_bytes", "stored_chunks")
+    if _has(counters, "simple_save", "simple_load_blocks") or "simple_used_blocks" in es.gauges:
+        connector = "SimpleCPUOffloadConnector"
+    elif _has(counters, "lmc_hit_tokens", "lmc_requested_tokens", "lmc_stored_tokens"):
+        connector = "LMCacheConnectorV1"
+    elif size not in ("None", "") and backend == "lmcache":
+        connector = "LMCacheMPConnector"
+    elif offload_series or tier_keys or (size not in ("None", "") and backend == "native"):
+        connector = "OffloadingConnector"
+    elif _has(counters, "nixl_transfers", "nixl_bytes", "nixl_failed"):
+        connector = "NixlConnector"
+    else:
+        connector = NONE
+    spec = policy = threshold = NONE
+    if connector == "OffloadingConnector":
+        if tier_keys or (es.offload_config or {}).get("tier"):
+            spec = "TieringOffloadingSpec"
+        elif es.offload_config is not None:
+            spec = "CPUOffloadingSpec"  # 0.33's config info without a tier label
+        else:
+            spec = UNKNOWN  # 0.26 tiering exports nothing per tier: not distinguishable
+        policy = UNKNOWN
+        threshold = UNKNOWN
+    tiers = ",".join(tier_keys) if tier_keys else (UNKNOWN if spec == UNKNOWN else NONE)
+    return BackendConfig(connector, spec, policy, threshold, tiers, "metrics")
+
+
+# --- derived values ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TierDerived:
+    tier: str
+    hit_ratio: float | None  # chunk hits / chunk queries of this tier over the window
+    read_bandwidth: float | None  # bytes/s of promotions from this tier into the primary
+    write_bandwidth: float | None  # bytes/s of cascades from the primary into this tier
+    read_bytes_total: float | None
+    write_bytes_total: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendDerived:
+    config: BackendConfig
+    tiers: tuple[TierDerived, ...] = ()
+    simple_stored_ratio: float | None = None
+    simple_dropped_ratio: float | None = None
+    lmcache_hit_ratio: float | None = None
+    lmcache_retrieve_tokens_per_second: float | None = None
+    lmcache_store_tokens_per_second: float | None = None
+    nixl_in_use: bool = False
+    nixl_bandwidth: float | None = None  # bytes per second of transfer time
+    nixl_tokens_per_second: float | None = None
+    nixl_speedup: float | None = None
+    nixl_failed_total: float | None = None
+    nixl_link: str = UNKNOWN
+    recompute_from_peer: bool = False  # the NIXL speedup used another engine's recompute rate
+
+
+def _div(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0 or num < 0:
+        return None
+    return num / den
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    value = _div(num, den)
+    return None if value is None else min(value, 1.0)
+
+
+def tier_derived(win: TargetWindow, ek: EngineKey, fresh: bool) -> tuple[TierDerived, ...]:
+    """Per-tier values from vLLM 0.32+'s tiering counters."""
+    totals = win.totals.get(ek, {})
+    tiers = _tier_values(totals)
+    out = []
+
+    def one(key: str) -> float | None:
+        s = win.sums(ek, (key,)) if fresh else None
+        return s[0] if s is not None else None
+
+    def pair(a: str, b: str) -> tuple[float, float] | None:
+        s = win.sums(ek, (a, b)) if fresh else None
+        return (s[0], s[1]) if s is not None else None
+
+    for t in tiers:
+        queries_key, hits_key = f"tier_chunk_queries:{t}", f"tier_chunk_hits:{t}"
+        hit: float | None = None
+        if hits_key in totals:
+            p = pair(hits_key, queries_key)
+            hit = _ratio(*p) if p is not None else None
+        else:
+            # vLLM creates a tier's hit counter at its first hit: queries without it are 0 hits.
+            q = one(queries_key)
+            hit = 0.0 if q is not None and q > 0 else None
+        rb = pair(f"tier_read_bytes:{t}", f"tier_read_seconds:{t}")
+        wb = pair(f"tier_write_bytes:{t}", f"tier_write_seconds:{t}")
+        out.append(
+            TierDerived(
+                tier=t,
+                hit_ratio=hit,
+                read_bandwidth=_div(*rb) if rb is not None else None,
+                write_bandwidth=_div(*wb) if wb is not None else None,
+                read_bytes_total=totals.get(f"tier_read_bytes:{t}"),
+                write_bytes_total=totals.get(f"tier_write_bytes:{t}"),
+            )
+        )
+    return tuple(out)
+
+
+def simple_ratios(
+    win: TargetWindow, ek: EngineKey, fresh: bool
+) -> tuple[float | None, float | None]:
+    """(stored, dropped) shares of the stores SimpleCPUOffloadConnector classified."""
+    if not fresh:
+        return None, None
+    keys = [k for k in win.totals.get(ek, {}) if k.startswith("simple_save:")]
+    per: dict[str, float] = {}
+    for k in keys:
+        s = win.sums(ek, (k,))
+        if s is not None:
+            per[k.split(":", 1)[1]] = s[0]
+    total = sum(per.values())
+    if total <= 0:
+        return None, None
+    dropped = sum(v for o, v in per.items() if o.startswith("dropped_"))
+    return _ratio(per.get("stored", 0.0), total), _ratio(dropped, total)
+
+
+def nixl_link_type(ucx_tls: str | None, nvlink_active: bool | None = None) -> str:
+    """The KV path NIXL can take: nvlink, rdma, cuda_ipc, tcp, or unknown.
+
+    NVML's NVLink state decides where it is readable (NOT_SUPPORTED on single-GPU VMs).
+    Otherwise the UCX transports NIXL's default backend may use (`UCX_TLS` of the vLLM
+    process): verbs transports (rc, dc, ud, ib) mean RDMA, only tcp means TCP, cuda_ipc
+    alone means same-node GPU peer copies (NVLink or PCIe). An exclusion list ("^...")
+    or "all" lets UCX pick at run time: unknown.
+    """
+    if nvlink_active:
+        return "nvlink"
+    if not ucx_tls:
+        return UNKNOWN
+    text = ucx_tls.strip().lower()
+    if text.startswith("^"):
+        return UNKNOWN
+    names = {t.strip() for t in text.split(",") if t.strip()}
+    if not names or "all" in names:
+        return UNKNOWN
+    if any(n.split("_", 1)[0] in ("rc", "dc", "ud", "ib") for n in names):
+        return "rdma"
+    if names <= {"tcp", "self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"}:
+        return "tcp" if "tcp" in names else UNKNOWN
+    if "cuda_ipc" in names:
+        return "cuda_ipc"
+    return UNKNOWN
+
+
+def backend_derived(
+    win: TargetWindow,
+    ek: EngineKey,
+    es: EngineSample,
+    cache_config: Mapping[str, str] | None,
+    launch: LaunchConfig | None,
+    *,
+    fresh: bool,
+    kv_bytes_per_token: float | None,
+    recompute_tokens_per_second: float | None,
+    recompute_negligible: bool,
+) -> BackendDerived:
+    cfg = backend_config(launch, cache_config, es)
+
+    def sums(*keys: str) -> tuple[float, ...] | None:
+        return win.sums(ek, keys) if fresh else None
+
+    def pair(a: str, b: str) -> tuple[float | None, float | None]:
+        s = sums(a, b)
+        return (s[0], s[1]) if s is not None else (None, None)
+
+    stored, dropped = simple_ratios(win, ek, fresh)
+    totals = win.totals.get(ek, {})
+    nixl_in_use = cfg.connector == "NixlConnector" or _has(totals, "nixl_transfers", "nixl_failed")
+    bandwidth = _div(*pair("nixl_bytes", "nixl_xfer_seconds")) if nixl_in_use else None
+    tokens = _div(bandwidth, kv_bytes_per_token) if bandwidth is not None else None
+    return BackendDerived(
+        config=cfg,
+        tiers=tier_derived(win, ek, fresh),
+        simple_stored_ratio=stored,
+        simple_dropped_ratio=dropped,
+        lmcache_hit_ratio=_ratio(*pair("lmc_hit_tokens", "lmc_requested_tokens")),
+        lmcache_retrieve_tokens_per_second=_div(*pair("lmc_hit_tokens", "lmc_retrieve_seconds")),
+        lmcache_store_tokens_per_second=_div(*pair("lmc_stored_tokens", "lmc_store_seconds")),
+        nixl_in_use=nixl_in_use,
+        nixl_bandwidth=bandwidth,
+        nixl_tokens_per_second=tokens,
+        nixl_speedup=speedup(tokens, recompute_tokens_per_second, recompute_negligible),
+        nixl_failed_total=totals.get("nixl_failed") if nixl_in_use else None,
+        nixl_link=nixl_link_type(launch.ucx_tls if launch else None) if nixl_in_use else UNKNOWN,
+    )
+
+
+def speedup(
+    transfer_tokens_per_second: float | None,
+    recompute_tokens_per_second: float | None,
+    recompute_negligible: bool,
+) -> float | None:
+    """Transfer over marginal recompute, as kvoffload_transfer_speedup_ratio defines it."""
+    if transfer_tokens_per_second is None:
+        return None
+    if recompute_tokens_per_second:
+        return transfer_tokens_per_second / recompute_tokens_per_second
+    if recompute_negligible:
+        return 0.0  # recompute costs nothing measurable per token: no transfer can win
+    return None
+
+
+def with_peer_recompute(
+    derived: Mapping[str, Sequence[EngineDerived]],
+) -> dict[str, list[EngineDerived]]:
+    """Fill the NIXL speedup of engines that cannot measure their own recompute speed.
+
+    A decode engine of a disaggregated pair hardly prefills, so its marginal recompute
+    rate stays unknown; the prefill engine serving the same model measures it. An engine
+    without its own rate takes the fastest rate measured for the same model_name by any
+    engine of any target this exporter watches (the conservative choice: the speedup
+    against the fastest recompute is the smallest).
+    """
+    best: dict[str, float] = {}
+    negligible: set[str] = set()
+    for engines in derived.values():
+        for d in engines:
+            r = d.recompute_tokens_per_second
+            if r:
+                best[d.key.model_name] = max(best.get(d.key.model_name, 0.0), r)
+            elif d.recompute_negligible:
+                negligible.add(d.key.model_name)
+    out: dict[str, list[EngineDerived]] = {}
+    for target, engines in derived.items():
+        row = []
+        for item in engines:
+            d = item
+            b = d.backend
+            if (
+                b is not None
+                and b.nixl_tokens_per_second is not None
+                and b.nixl_speedup is None
+                and (d.key.model_name in best or d.key.model_name in negligible)
+            ):
+                s = speedup(
+                    b.nixl_tokens_per_second,
+                    best.get(d.key.model_name),
+                    d.key.model_name in negligible,
+                )
+                d = replace(d, backend=replace(b, nixl_speedup=s, recompute_from_peer=True))
+            row.append(d)
+        out[target] = row
+    return out
+
+
+# --- families ------------------------------------------------------------------------------
+
+
+def backend_families(per_target: Iterable[tuple[str, Sequence[EngineDerived]]]) -> list[Family]:
+    info = Family("kvoffload_offload_config_info")
+    tier_hit = Family("kvoffload_tier_hit_ratio")
+    tier_read = Family("kvoffload_tier_read_bandwidth_bytes_per_second")
+    tier_write = Family("kvoffload_tier_write_bandwidth_bytes_per_second")
+    tier_read_total = Family("kvoffload_tier_read_bytes_total")
+    tier_write_total = Family("kvoffload_tier_write_bytes_total")
+    simple_stored = Family("kvoffload_simple_offload_stored_ratio")
+    simple_dropped = Family("kvoffload_simple_offload_dropped_ratio")
+    lmc_retrieve = Family("kvoffload_lmcache_retrieve_tokens_per_second")
+    lmc_store = Family("kvoffload_lmcache_store_tokens_per_second")
+    nixl_bw = Family("kvoffload_nixl_transfer_bandwidth_bytes_per_second")
+    nixl_speed = Family("kvoffload_nixl_transfer_speedup_ratio")
+    nixl_failed = Family("kvoffload_nixl_failed_transfers_total")
+    nixl_link = Family("kvoffload_nixl_link_info")
+    for target, engines in per_target:
+        for d in engines:
+            b = d.backend
+            if b is None:
+                continue
+            labels = [target, d.key.model_name, d.key.engine]
+            info.add([*labels, *b.config.labels()], 1.0)
+            for t in b.tiers:
+                tl = [*labels, t.tier]
+                for fam, value in (
+                    (tier_hit, t.hit_ratio),
+                    (tier_read, t.read_bandwidth),
+                    (tier_write, t.write_bandwidth),
+                    (tier_read_total, t.read_bytes_total),
+                    (tier_write_total, t.write_bytes_total),
+                ):
+                    if value is not None:
+                        fam.add(tl, value)
+            for fam, value in (
+                (simple_stored, b.simple_stored_ratio),
+                (simple_dropped, b.simple_dropped_ratio),
+                (lmc_retrieve, b.lmcache_retrieve_tokens_per_second),
+                (lmc_store, b.lmcache_store_tokens_per_second),
+                (nixl_bw, b.nixl_bandwidth),
+                (nixl_speed, b.nixl_speedup),
+                (nixl_failed, b.nixl_failed_total),
+            ):
+                if value is not None:
+                    fam.add(labels, value)
+            if b.nixl_in_use:
+                nixl_link.add([*labels, b.nixl_link], 1.0)
+    return [
+        info,
+        tier_hit,
+        tier_read,
+        tier_write,
+        tier_read_total,
+        tier_write_total,
+        simple_stored,
+        simple_dropped,
+        lmc_retrieve,
+        lmc_store,
+        nixl_bw,
+        nixl_speed,
+        nixl_failed,
+        nixl_link,
+    ]
