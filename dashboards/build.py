@@ -311,7 +311,7 @@ def _table(placed: Placed) -> table.Panel:
 
 
 def _barchart(placed: Placed) -> barchart.Panel:
-    """Bars per label value of x_field, ordered numerically (the label is a string)."""
+    """Bars per label value of x_field, ordered numerically (labels are strings) or as text."""
     p = placed.panel
     assert p is not None
     b = _common(barchart.Panel(), placed)
@@ -322,16 +322,19 @@ def _barchart(placed: Placed) -> barchart.Panel:
             options={"conversions": [{"targetField": p.x_field, "destinationType": to}]},
         )
 
-    return (
+    sort = dm.DataTransformerConfig(id_val="sortBy", options={"sort": [{"field": p.x_field}]})
+    b = (
         b.x_field(p.x_field)
         .legend(_legend())
         .show_value(common.VisibilityMode.AUTO)
         .axis_label(p.axis_label)
         .with_transformation(_organize(("Time",)))
-        .with_transformation(convert("number"))
-        .with_transformation(
-            dm.DataTransformerConfig(id_val="sortBy", options={"sort": [{"field": p.x_field}]})
-        )
+    )
+    if not p.x_numeric:
+        return b.with_transformation(sort)
+    return (
+        b.with_transformation(convert("number"))
+        .with_transformation(sort)
         .with_transformation(convert("string"))
     )
 

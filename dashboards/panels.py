@@ -574,7 +574,8 @@ BACKEND_ROWS: tuple[Row, ...] = (
                 min=0,
                 max=1,
                 width=24,
-                x_field="policy",
+                x_field="setting",
+                x_numeric=False,
                 axis_label="simulated offload hit ratio",
                 description=(
                     "The offload hit ratio the CPU tier would reach with each eviction policy "
@@ -584,7 +585,10 @@ BACKEND_ROWS: tuple[Row, ...] = (
                 ),
                 queries=(
                     Query(
-                        f"last_over_time(kvoffload_whatif_policy_hit_ratio{{{ENGINE}}}[$__range])",
+                        "label_join(last_over_time(kvoffload_whatif_policy_hit_ratio{"
+                        + ENGINE
+                        + '}[$__range]), "setting", ", store_threshold ", "policy", '
+                        '"store_threshold")',
                         instant=True,
                         table=True,
                     ),

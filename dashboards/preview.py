@@ -301,15 +301,20 @@ def draw_table(ax: Axes, panel: Mapping[str, Any], results: Sequence[TargetResul
 def draw_barchart(ax: Axes, panel: Mapping[str, Any], results: Sequence[TargetResult]) -> bool:
     x_field = panel["options"]["xField"]
     unit = panel["fieldConfig"]["defaults"].get("unit", "none")
+    numeric = any(
+        t["id"] == "convertFieldType"
+        and t["options"]["conversions"][0]["destinationType"] == "number"
+        for t in panel.get("transformations", [])
+    )
     bars = sorted(
-        (float(s["metric"][x_field]), float(s["value"][1]))
+        (float(s["metric"][x_field]) if numeric else s["metric"][x_field], float(s["value"][1]))
         for r in results
         for s in r.series
         if x_field in s["metric"]
     )
     if not bars:
         return False
-    labels = [_mapped_text(f"{int(x)}", panel)[0] for x, _ in bars]
+    labels = [_mapped_text(f"{int(x)}" if numeric else str(x), panel)[0] for x, _ in bars]
     ax.bar(labels, [v for _, v in bars], color=SERIES[0], width=0.6)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v, unit)))
     ax.grid(axis="y", color="#2c3235", linewidth=0.5)
@@ -457,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data: dict[Scenario, Data] = {}
         data[Scenario.OFFLOAD] = stack.enter_context(scenarios.offload(work / "offload"))
         data[Scenario.BACKENDS] = stack.enter_context(scenarios.backends(work / "backends"))
+        data[Scenario.GPU] = stack.enter_context(scenarios.gpu(work / "gpu"))
         vllm = VllmServer(work / "vllm", kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}").start(
             timeout=900
         )

@@ -8,8 +8,11 @@ offload  the H200 offload run (tests/fixtures/vllm-0.26.0-h200/b_offload): vLLM'
          run through the real exporter code (testbed.backfill.run_exporter) and backfilled
          with promtool next to the raw vLLM expositions. Totals and ratios are the run's;
          per-second rates are not (the run took ~3 s; the time axis is stretched).
-gpu      recorded GPU runs with NVML, /proc and cgroup data under tests/fixtures/gpu/
-         (not recorded yet: panels proven only here are reported as pending).
+gpu      a recorded H200 run with everything on (tests/fixtures/gpu/small-b-graphs-long:
+         vLLM 0.26, 0.5 GiB native offload, CUDA graphs, KV events): the exporter's own
+         1 s /metrics from that run, with its real NVML, /proc and cgroup collectors, and
+         vLLM's /metrics beside it, backfilled at their recorded times (moved to now, the
+         1 s spacing kept), so rates and per-second values are the run's own.
 backends the KV transfer backends (docs/backends.md): recorded vLLM 0.26 H200 runs (the fs
          tiering spec; the 32B shape without offload as the prefill engine beside the NIXL
          decode engines) and vLLM 0.32 tiering, simple offload and NIXL expositions plus
@@ -148,8 +151,49 @@ def backends(workdir: Path) -> Iterator[Data]:
         prom.stop()
 
 
-def gpu_runs_present() -> bool:
-    return GPU_RUNS.is_dir() and any(GPU_RUNS.iterdir())
+GPU_RUN = "small-b-graphs-long"
+GPU_EXPORTER_INSTANCE = "h200-exporter:9747"
+
+
+def _recorded(config: str, source: str) -> list[backfill.Scrape]:
+    """(unix seconds, body) of every successful 1 s GET of a recorded run's endpoint."""
+    path = GPU_RUNS / config / f"{source}_metrics.jsonl.xz"
+    with lzma.open(path, "rt", encoding="utf-8") as fh:
+        return [(float(r["t"]), r["body"]) for r in map(json.loads, fh) if r.get("status") == 200]
+
+
+def gpu_series(end: float, config: str = GPU_RUN) -> list[backfill.Series]:
+    """The run's exporter and vLLM scrapes, moved so the exporter's last one is at `end`."""
+    exporter = _recorded(config, "exporter")
+    vllm = _recorded(config, "vllm")
+    offset = end - exporter[-1][0]
+    # Prometheus stores milliseconds; whole-millisecond shifts keep the spacing exact.
+    offset = round(offset, 3)
+    (target,) = json.loads((GPU_RUNS / config / "exporter-full.yaml").read_text())["targets"]
+    job = "kv-offload-exporter"
+    return [
+        backfill.shift(backfill.Series(job, GPU_EXPORTER_INSTANCE, exporter), offset),
+        backfill.shift(backfill.Series("vllm", target["name"], vllm), offset),
+    ]
+
+
+@contextmanager
+def gpu(workdir: Path) -> Iterator[Data]:
+    end = backfill.recent_end()
+    series = gpu_series(end)
+    prom = backfill.backfilled_prometheus(workdir, series)
+    first = min(ts for s in series for ts, _ in s.scrapes)
+    try:
+        yield Data(
+            Scenario.GPU,
+            prom,
+            start=float(int(first) - 5),
+            end=end,
+            scrape_interval=1.0,
+            note=f"H200 run {GPU_RUN} (vLLM 0.26, 0.5 GiB offload), recorded exporter output",
+        )
+    finally:
+        prom.stop()
 
 
 def _cycles(exporter: ExporterProcess) -> int:

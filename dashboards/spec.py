@@ -107,6 +107,7 @@ class Panel:
     axis_label: str = ""
     mappings: tuple[Mapping, ...] = ()
     x_field: str = ""  # barchart: the label that becomes the x axis
+    x_numeric: bool = True  # barchart: order the x labels as numbers (sizes), else as text
     hidden_columns: tuple[str, ...] = ()  # table: columns to hide
     runbooks: tuple[str, ...] = ()  # alert names whose runbook section this panel backs
     see_also: tuple[str, ...] = ()  # uids of dashboards that go deeper

@@ -268,15 +268,10 @@ def is_counter_key(key: str) -> bool:
     return key.split(":", 1)[0] in COUNTER_KEYS_PREFIXES
 
 
-def _engine_of(s: Sample) -> EngineKey | None:
-    model, engine = s.label("model_name"), s.label("engine")
-    if model is None or engine is None:
-        return None
-    return EngineKey(model, engine)
-
-
 def _kept_engines(
-    by_name: Mapping[str, list[Sample]], max_engines: int | None, prefer: Collection[EngineKey]
+    by_name: Mapping[str, list[tuple[Sample, EngineKey | None]]],
+    max_engines: int | None,
+    prefer: Collection[EngineKey],
 ) -> tuple[set[EngineKey] | None, int]:
     """The engines to keep under the cap (None: all) and how many are dropped.
 
@@ -287,8 +282,8 @@ def _kept_engines(
     present: set[EngineKey] = set()
     for q in QUANTITIES:
         for cand in q.candidates:
-            for s in by_name.get(cand.name, ()):
-                if (ek := _engine_of(s)) is not None:
+            for _, ek in by_name.get(cand.name, ()):
+                if ek is not None:
                     present.add(ek)
     if len(present) <= max_engines:
         return None, 0
@@ -311,9 +306,15 @@ def normalise(
     the engines already being tracked, first; then in sorted order, so the choice is
     stable across scrapes); the series of the others are dropped and counted.
     """
-    by_name: dict[str, list[Sample]] = {}
+    # Each sample's engine once: the cap and every quantity below read it.
+    by_name: dict[str, list[tuple[Sample, EngineKey | None]]] = {}
+    known: dict[tuple[str | None, str | None], EngineKey | None] = {}
     for s in samples:
-        by_name.setdefault(s.name, []).append(s)
+        pair = (s.label("model_name"), s.label("engine"))
+        if pair not in known:
+            model, engine = pair
+            known[pair] = None if model is None or engine is None else EngineKey(model, engine)
+        by_name.setdefault(s.name, []).append((s, known[pair]))
 
     kept, dropped_engines = _kept_engines(by_name, max_engines, prefer)
     dropped = 0
@@ -326,11 +327,10 @@ def normalise(
         won: set[EngineKey] = set()
         for cand in q.candidates:
             chosen: set[EngineKey] = set()
-            for s in by_name.get(cand.name, ()):
-                if any(s.label(k) != v for k, v in cand.match):
-                    continue
-                ek = _engine_of(s)
+            for s, ek in by_name.get(cand.name, ()):
                 if ek is None:
+                    continue
+                if cand.match and any(s.label(k) != v for k, v in cand.match):
                     continue
                 if kept is not None and ek not in kept:
                     dropped += 1
@@ -358,15 +358,14 @@ def normalise(
     keys = set(counters) | set(gauges)
     engine_labels = {ek.engine for ek in keys}
     cache_config: dict[str, dict[str, str]] = {}
-    for s in by_name.get(CACHE_CONFIG_INFO, ()):
+    for s, _ in by_name.get(CACHE_CONFIG_INFO, ()):
         engine = s.label("engine") or "0"
         if kept is not None and engine not in engine_labels:
             dropped += 1
             continue
         cache_config[engine] = dict(s.labels)
     offload_config: dict[EngineKey, dict[str, str]] = {}
-    for s in by_name.get(OFFLOAD_CONFIG_INFO, ()):
-        ek = _engine_of(s)
+    for s, ek in by_name.get(OFFLOAD_CONFIG_INFO, ()):
         if ek is None:
             continue
         if kept is not None and ek not in kept:
@@ -374,7 +373,7 @@ def normalise(
             continue
         offload_config[ek] = dict(s.labels)
     process_start = None
-    for s in by_name.get(PROCESS_START, ()):
+    for s, _ in by_name.get(PROCESS_START, ()):
         if math.isfinite(s.value):
             process_start = s.value
     engines = {

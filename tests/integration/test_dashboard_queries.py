@@ -3,8 +3,9 @@
 Scenarios (dashboards/scenarios.py): `live` is a real vLLM CPU server with the seed
 workload, the exporter beside it and a Prometheus scraping both; `offload` is the
 recorded H200 offload run replayed through the exporter's code and backfilled with
-promtool; `gpu` (NVML, /proc, cgroup recordings) does not exist yet, and the panels
-only it can prove are reported as pending by a skipped test.
+promtool; `gpu` is a recorded H200 run (tests/fixtures/gpu/small-b-graphs-long): the
+exporter's own output there, with real NVML, /proc and cgroup data, and vLLM's /metrics,
+backfilled at their recorded 1 s spacing.
 
 The queries come from the committed JSON, so these tests prove what users import.
 """
@@ -27,6 +28,7 @@ from dashboards.spec import Dashboard, Panel, Scenario
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
+DASHBOARDS_BY_UID = {d.uid: d for d in DASHBOARDS}
 DOCS = {d.uid: json.loads((REPO / "dashboards" / "json" / d.file).read_text()) for d in DASHBOARDS}
 NOTHING = "no-such-value-anywhere"
 
@@ -55,12 +57,21 @@ def live_data(
         yield data
 
 
-@pytest.fixture(params=[Scenario.LIVE, Scenario.OFFLOAD], ids=["live", "offload"])
+@pytest.fixture(scope="module")
+def gpu_data(
+    tmp_path_factory: pytest.TempPathFactory, prometheus_available: None, promtool: str
+) -> Iterator[Data]:
+    with scenarios.gpu(tmp_path_factory.mktemp("gpu")) as data:
+        yield data
+
+
+@pytest.fixture(
+    params=[Scenario.LIVE, Scenario.OFFLOAD, Scenario.GPU], ids=["live", "offload", "gpu"]
+)
 def data(request: pytest.FixtureRequest) -> Data:
-    name = "live_data" if request.param == Scenario.LIVE else "offload_data"
     if request.param == Scenario.LIVE:
         request.applymarker(pytest.mark.vllm)
-    return request.getfixturevalue(name)
+    return request.getfixturevalue(f"{request.param.value}_data")
 
 
 def emulator(data: Data, doc: Mapping[str, Any]) -> Emulator:
@@ -106,6 +117,32 @@ def test_panels_show_data_in_their_scenarios(dash: Dashboard, data: Data) -> Non
             if not any(r.finite_points() for r in results):
                 empty.append(f"{panel['title']} [{label}]: {describe(results)}")
     assert not empty, f"empty panels in {data.scenario}:\n" + "\n".join(empty)
+
+
+@pytest.mark.parametrize("dash", DASHBOARDS, ids=[d.uid for d in DASHBOARDS])
+def test_barchart_x_axis_is_a_label_of_every_bar(dash: Dashboard, data: Data) -> None:
+    """Grafana draws a bar per row of x_field: the label must exist, and be a number where
+    the panel converts it to one to sort (a text label would become null)."""
+    doc = DOCS[dash.uid]
+    emu = emulator(data, doc)
+    by_title = specs(dash)
+    bad = []
+    for panel in graph_panels(doc):
+        spec = by_title[panel["title"]]
+        if panel["type"] != "barchart" or data.scenario not in spec.scenarios:
+            continue
+        x = panel["options"]["xField"]
+        for result in emu.run_panel(panel, emu.all_chosen()):
+            for series in result.series:
+                value = series["metric"].get(x)
+                if value is None:
+                    bad.append(f"{panel['title']}: no label {x} in {series['metric']}")
+                elif spec.x_numeric:
+                    try:
+                        float(value)
+                    except ValueError:
+                        bad.append(f"{panel['title']}: {x}={value!r} is sorted as a number")
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("dash", DASHBOARDS, ids=[d.uid for d in DASHBOARDS])
@@ -156,25 +193,46 @@ def test_offload_scenario_numbers_are_the_recorded_run(offload_data: Data) -> No
     assert result.series[0]["metric"]["target"] == scenarios.H200_TARGET
 
 
-def test_gpu_only_panels_await_gpu_recordings() -> None:
-    if scenarios.gpu_runs_present():
-        pytest.fail(
-            "tests/fixtures/gpu/ has recordings: add the gpu scenario (a backfill of them "
-            "through testbed.backfill) to this module so these panels are proven"
-        )
-    gpu_only = [
-        f"{d.uid}: {p.title} ({p.key})"
-        for d in DASHBOARDS
-        for p in d.panels()
-        if p.scenarios == {Scenario.GPU}
+def test_every_panel_has_a_scenario_that_proves_it() -> None:
+    proven = {Scenario.LIVE, Scenario.OFFLOAD, Scenario.GPU, Scenario.BACKENDS}
+    unproven = [
+        f"{d.uid}: {p.title}" for d in DASHBOARDS for p in d.panels() if not p.scenarios & proven
     ]
-    pytest.skip("pending GPU recordings, not proven yet: " + "; ".join(gpu_only))
+    assert not unproven, unproven
+
+
+def test_gpu_scenario_is_the_recorded_run(gpu_data: Data) -> None:
+    """PCIe traffic and pinned memory come back as the H200 recorded them."""
+    doc = DOCS["kvoe-memory"]
+    emu = emulator(gpu_data, doc)
+    by_title = specs(DASHBOARDS_BY_UID["kvoe-memory"])
+    panel = next(
+        p for p in graph_panels(doc) if by_title[p["title"]].key == "memory.process_pinned"
+    )
+    results = emu.run_panel(panel, emu.all_chosen())
+    pinned = {
+        s["metric"].get("role"): max(float(v) for _, v in s["values"]) for s in results[0].series
+    }
+    # 0.5 GiB of offload + vLLM's own pinned staging on the EngineCore, none on the API server
+    assert pinned["engine_core"] >= 2**29
+    assert pinned["api_server"] == 0
+    last = scenarios.gpu_series(gpu_data.end)[0].scrapes[-1][1]
+    recorded = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in last.splitlines()
+        if line.startswith("kvoffload_gpu_pcie_rx_bytes_total{")
+    )
+    (rx,) = gpu_data.api(
+        "query", query="sum(kvoffload_gpu_pcie_rx_bytes_total)", time=str(gpu_data.end)
+    )["result"]
+    assert float(rx["value"][1]) == pytest.approx(recorded, rel=1e-9)
+    assert recorded > 0
 
 
 def test_previews_render_from_the_same_data(
-    offload_data: Data, live_data: Data, tmp_path: Path
+    offload_data: Data, live_data: Data, gpu_data: Data, tmp_path: Path
 ) -> None:
-    data = {Scenario.LIVE: live_data, Scenario.OFFLOAD: offload_data}
+    data = {Scenario.LIVE: live_data, Scenario.OFFLOAD: offload_data, Scenario.GPU: gpu_data}
     drawn = preview.render_all(data, tmp_path)
     for dash in DASHBOARDS:
         png = tmp_path / f"{dash.uid}.png"
