@@ -110,8 +110,13 @@ class BackendConfig:
         return [self.connector, self.spec, self.eviction_policy, self.store_threshold, self.tiers]
 
 
-def _has(counters: Mapping[str, float], *prefixes: str) -> bool:
-    return any(k.split(":", 1)[0] in prefixes for k in counters)
+def _heads(counters: Mapping[str, float]) -> set[str]:
+    """Quantity names without their split label part (`tier_reads:cpu` -> `tier_reads`)."""
+    return {k.partition(":")[0] for k in counters}
+
+
+def _has(heads: set[str], *prefixes: str) -> bool:
+    return not heads.isdisjoint(prefixes)
 
 
 def _tier_values(keys: Iterable[str]) -> list[str]:
@@ -142,16 +147,17 @@ def backend_config(
     cc = cache_config or {}
     size = cc.get("kv_offloading_size", "None")
     backend = cc.get("kv_offloading_backend", "native")
-    offload_series = _has(counters, "load_bytes", "store_bytes", "stored_chunks")
-    if _has(counters, "simple_save", "simple_load_blocks") or "simple_used_blocks" in es.gauges:
+    heads = _heads(counters)
+    offload_series = _has(heads, "load_bytes", "store_bytes", "stored_chunks")
+    if _has(heads, "simple_save", "simple_load_blocks") or "simple_used_blocks" in es.gauges:
         connector = "SimpleCPUOffloadConnector"
-    elif _has(counters, "lmc_hit_tokens", "lmc_requested_tokens", "lmc_stored_tokens"):
+    elif _has(heads, "lmc_hit_tokens", "lmc_requested_tokens", "lmc_stored_tokens"):
         connector = "LMCacheConnectorV1"
     elif size not in ("None", "") and backend == "lmcache":
         connector = "LMCacheMPConnector"
     elif offload_series or tier_keys or (size not in ("None", "") and backend == "native"):
         connector = "OffloadingConnector"
-    elif _has(counters, "nixl_transfers", "nixl_bytes", "nixl_failed"):
+    elif _has(heads, "nixl_transfers", "nixl_bytes", "nixl_failed"):
         connector = "NixlConnector"
     else:
         connector = NONE
@@ -320,7 +326,9 @@ def backend_derived(
 
     stored, dropped = simple_ratios(win, ek, fresh)
     totals = win.totals.get(ek, {})
-    nixl_in_use = cfg.connector == "NixlConnector" or _has(totals, "nixl_transfers", "nixl_failed")
+    nixl_in_use = cfg.connector == "NixlConnector" or _has(
+        _heads(totals), "nixl_transfers", "nixl_failed"
+    )
     bandwidth = _div(*pair("nixl_bytes", "nixl_xfer_seconds")) if nixl_in_use else None
     tokens = _div(bandwidth, kv_bytes_per_token) if bandwidth is not None else None
     return BackendDerived(

@@ -482,6 +482,35 @@ async def test_a_process_vanishing_between_listing_and_reading_is_skipped(tmp_pa
     assert {p.pid for p in src.snapshot.processes} == {API, ENGINE}
 
 
+def _fork_like(proc: Path, like: int, pid: int, ppid: int) -> None:
+    """A new child process in the fixture tree, a copy of an existing one."""
+    shutil.copytree(proc / str(like), proc / str(pid), symlinks=True)
+    (proc / str(pid) / "stat").write_text(stat_line(pid, "python3", ppid, 9100))
+
+
+async def test_the_process_tree_is_cached_until_refresh_or_a_member_exits(tmp_path, monkeypatch):
+    proc = build_proc(tmp_path)
+    src = source(proc)
+    assert await execute(src, 5.0)
+    assert {p.pid for p in src.snapshot.processes} == {API, ENGINE, TRACKER}
+    # A child spawned after the scan is picked up at the next rescan, not every cycle.
+    _fork_like(proc, TRACKER, 5000, API)
+    assert await execute(src, 5.0)
+    assert 5000 not in {p.pid for p in src.snapshot.processes}
+    monkeypatch.setattr(procfs, "TREE_REFRESH", 0.0)
+    assert await execute(src, 5.0)
+    assert 5000 in {p.pid for p in src.snapshot.processes}
+    # A member that exits forces a rescan on the next cycle, whatever the refresh period.
+    monkeypatch.setattr(procfs, "TREE_REFRESH", 3600.0)
+    assert await execute(src, 5.0)  # cached again from here
+    shutil.rmtree(proc / "5000")
+    _fork_like(proc, TRACKER, 5001, API)
+    assert await execute(src, 5.0)
+    assert {p.pid for p in src.snapshot.processes} == {API, ENGINE, TRACKER}
+    assert await execute(src, 5.0)
+    assert {p.pid for p in src.snapshot.processes} == {API, ENGINE, TRACKER, 5001}
+
+
 async def test_unreadable_smaps_leaves_pinned_absent_not_zero(tmp_path):
     proc = build_proc(tmp_path)
     smaps = proc / str(ENGINE) / "smaps"

@@ -42,6 +42,9 @@ OFFLOAD_SHM_PREFIX = "/dev/shm/vllm_offload_"
 MIN_POOL_GROUP_BYTES = 64 * MIB
 DISCOVERY_RETRY = 30.0
 SMAPS_REFRESH = 30.0
+# The vLLM process tree is spawned at start-up; rescanning every process's parent each
+# cycle was most of this collector's CPU. A member that vanishes forces a rescan.
+TREE_REFRESH = 10.0
 DEFAULT_VLLM_PORT = 8000
 
 
@@ -426,12 +429,14 @@ class ProcFS:
 
     def __init__(self, root: str | Path = "/proc") -> None:
         self.root = Path(root)
+        self._prefix = str(self.root)  # plain string joins: pathlib cost more than the read
 
     def pids(self) -> list[int]:
-        return sorted(int(e.name) for e in os.scandir(self.root) if e.name.isdigit())
+        return sorted(int(e.name) for e in os.scandir(self._prefix) if e.name.isdigit())
 
     def text(self, pid: int | str, name: str) -> str:
-        return (self.root / str(pid) / name).read_text(encoding="utf-8", errors="replace")
+        with open(f"{self._prefix}/{pid}/{name}", encoding="utf-8", errors="replace") as fh:  # noqa: PTH123
+            return fh.read()
 
     def cmdline(self, pid: int) -> tuple[str, ...]:
         return parse_cmdline((self.root / str(pid) / "cmdline").read_bytes())
@@ -552,6 +557,7 @@ class ProcfsSource:
         self._root: _Root | None = None
         self._miss: tuple[float, CollectError] | None = None  # last failed discovery
         self._smaps_cache: dict[int, tuple[tuple[int, int], float, list[SmapsEntry] | None]] = {}
+        self._tree_cache: tuple[_Root, float, list[int]] | None = None
         self._denied_logged: set[int] = set()
 
     async def start(self) -> None:
@@ -710,6 +716,16 @@ class ProcfsSource:
         self._root = root
         return root
 
+    def _members(self, root: _Root) -> list[int]:
+        """The root's process tree, rescanned every TREE_REFRESH seconds."""
+        now = time.monotonic()
+        cached = self._tree_cache
+        if cached is not None and cached[0] == root and now - cached[1] < TREE_REFRESH:
+            return cached[2]
+        tree = self._tree(root.pid)
+        self._tree_cache = (root, now, tree)
+        return tree
+
     def _tree(self, root: int) -> list[int]:
         children: dict[int, list[int]] = {}
         for pid in self.fs.pids():
@@ -816,12 +832,13 @@ class ProcfsSource:
         root = self._discover()
         processes: list[ProcessMemory] = []
         denied: list[int] = []
-        tree = self._tree(root.pid)
+        tree = self._members(root)
         for stale in set(self._smaps_cache) - set(tree):
             del self._smaps_cache[stale]
         for pid in tree:
             got = self._process(pid, root)
             if got is None:
+                self._tree_cache = None  # a member exited: look for its successor next cycle
                 continue
             processes.append(got[0])
             if not got[1]:

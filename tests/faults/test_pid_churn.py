@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from exporter.sources import ErrorKind, execute
+from exporter.sources import ErrorKind, execute, procfs
 from exporter.sources.procfs import ProcfsSource
 from testbed.procs import free_port
 
@@ -50,7 +50,10 @@ CHURN = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the real /proc")
-async def test_children_vanishing_mid_read_never_fail_a_collection() -> None:
+async def test_children_vanishing_mid_read_never_fail_a_collection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(procfs, "TREE_REFRESH", 0.0)  # rescan the tree every collection
     port = free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before any await
         [sys.executable, "-c", CHURN, str(port), "60"],
