@@ -34,11 +34,13 @@ def need(condition: bool, what: str) -> None:
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     """One real vLLM CPU server for the session, KV events published to a port that
-    the KV-event tests bind (vLLM connects, the subscriber binds)."""
+    the KV-event tests bind (vLLM connects, the subscriber binds), with vLLM's replay
+    ROUTER on another port (vLLM binds it)."""
     need(VLLM_PYTHON.exists(), f"vLLM CPU ({VLLM_PYTHON})")
     server = VllmServer(
         tmp_path_factory.mktemp("vllm"),
         kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+        replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
     )
     server.start()
     try:

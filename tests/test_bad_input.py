@@ -23,7 +23,7 @@ CASES = {
     "html_page": (text("<html><body>Bad Gateway</body></html>"), "parse"),
     "not_vllm": (text("# HELP up x\nnode_load1 0.5\n"), "parse"),
     "fifty_megabytes": (Reply(stream_bytes=50 * 1024 * 1024), "too_large"),
-    "truncated": (Reply(body=GOOD[:20000], truncate=True), "connect"),
+    "truncated": (Reply(body=GOOD[:20000], truncate=True), "truncated"),
     "duplicate_series": (
         text(
             'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1\n'

@@ -29,6 +29,7 @@ class ErrorKind(StrEnum):
     HTTP_STATUS = "http_status"
     PARSE = "parse"
     TOO_LARGE = "too_large"
+    TRUNCATED = "truncated"
     INVALID_VALUE = "invalid_value"
     UNAVAILABLE = "unavailable"
     COUNTER_RESET = "counter_reset"

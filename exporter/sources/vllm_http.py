@@ -28,6 +28,7 @@ TARGET_FAILURE_REASONS = (
     ErrorKind.HTTP_STATUS,
     ErrorKind.PARSE,
     ErrorKind.TOO_LARGE,
+    ErrorKind.TRUNCATED,
     ErrorKind.INVALID_VALUE,
     ErrorKind.INTERNAL,
 )
@@ -131,8 +132,10 @@ class VllmTarget:
             ) from None
         except aiohttp.ClientConnectorError as exc:
             raise CollectError(ErrorKind.CONNECT, f"GET {url}: {exc.strerror or exc}") from None
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            raise CollectError(ErrorKind.CONNECT, f"GET {url}: truncated: {exc}") from None
+        except aiohttp.ClientPayloadError as exc:
+            raise CollectError(ErrorKind.TRUNCATED, f"GET {url}: truncated: {exc}") from None
+        except aiohttp.ServerDisconnectedError as exc:
+            raise CollectError(ErrorKind.CONNECT, f"GET {url}: disconnected: {exc}") from None
         except aiohttp.ClientError as exc:
             raise CollectError(ErrorKind.CONNECT, f"GET {url}: {exc}") from None
 

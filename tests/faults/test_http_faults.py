@@ -92,7 +92,7 @@ FAULTS: dict[str, tuple[list[Reply], str | None]] = {
     "healthy": (GOOD, None),
     "http_500": ([*GOOD, Reply(body=b"internal error", status=500)], "http_status"),
     "hang": ([*GOOD, Reply(body=AFTER, delay=3600.0)], "timeout"),
-    "truncated": ([*GOOD, Reply(body=AFTER[:20000], truncate=True)], "connect"),
+    "truncated": ([*GOOD, Reply(body=AFTER[:20000], truncate=True)], "truncated"),
     "html": ([*GOOD, Reply(body=b"<html><body>502 Bad Gateway</body></html>")], "parse"),
     "binary": ([*GOOD, Reply(body=random.Random(3).randbytes(8192))], "parse"),
     "fifty_megabytes": ([*GOOD, Reply(stream_bytes=50 * 1024 * 1024)], "too_large"),

@@ -177,6 +177,8 @@ async def test_publisher_restart_resets_the_simulation_not_the_counters(rig: Rig
     assert rig.stream().restarts == 1
     assert rig.stream().gaps == 0  # a restart is not a gap
     assert await execute(rig.src, 5.0)
+    restarts = _series(rig.src)["kvoffload_kv_event_publisher_restarts_total"]
+    assert [v for _, v in restarts] == [1.0]
 
     def resident() -> float:
         fams = _series(rig.src)

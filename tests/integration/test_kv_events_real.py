@@ -8,16 +8,19 @@ import asyncio
 import io
 import json
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from exporter.config import add_arguments, load_config
 from exporter.runtime import Exporter, build_sources
 from exporter.sources.kv_events import KvEventsSource
 from exporter.whatif_cli import run as whatif_cli
+from testbed.procs import free_port
 from testbed.vllm_cpu import BLOCK_SIZE, MODEL_NAME, complete, kv_bytes_per_token, seed_workload
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -138,3 +141,126 @@ async def test_real_vllm_recompute_after_eviction_and_whatif(vllm_server, tmp_pa
     hits = [s["hit_tokens"] for s in doc["sizes"]]
     assert hits == [0, 5 * 12 * BLOCK_SIZE, 5 * 12 * BLOCK_SIZE]
     assert doc["recomputed_after_eviction_tokens"] >= 5 * 12 * BLOCK_SIZE
+
+
+class LossyProxy:
+    """Between vLLM and the exporter: binds the endpoint vLLM connects to, republishes
+    on its own PUB, and once armed drops `drop` consecutive batches after `skip` more."""
+
+    def __init__(self, upstream: str, skip: int = 3, drop: int = 2) -> None:
+        self.upstream = upstream
+        self.downstream = f"tcp://127.0.0.1:{free_port()}"
+        self.skip, self.drop = skip, drop
+        self.armed = threading.Event()
+        self.dropped: list[int] = []
+        self.forwarded = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LossyProxy:
+        self._thread.start()
+        assert self._ready.wait(10), "proxy did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.bind(self.upstream)
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(self.downstream)
+        self._ready.set()
+        seen_armed = 0
+        try:
+            while not self._stop.is_set():
+                if not sub.poll(100):
+                    continue
+                frames = sub.recv_multipart()
+                if self.armed.is_set():
+                    seen_armed += 1
+                    if self.skip < seen_armed <= self.skip + self.drop:
+                        self.dropped.append(int.from_bytes(frames[1], "big"))
+                        continue
+                pub.send_multipart(frames)
+                self.forwarded += 1
+        finally:
+            sub.close(0)
+            pub.close(0)
+            ctx.term()
+
+
+async def test_a_gap_is_recovered_from_the_real_replay_endpoint(
+    vllm_server, tmp_path: Path
+) -> None:
+    """Batches lost on the way are fetched from vLLM's own replay ROUTER, in order, so the
+    simulator sees the same stream as without the loss."""
+    assert vllm_server.replay_endpoint, "the session's vLLM runs without a replay endpoint"
+    with LossyProxy(vllm_server.kv_events_endpoint) as proxy:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        args = parser.parse_args(
+            [
+                "--vllm-url",
+                vllm_server.url,
+                "--interval",
+                "1",
+                "--kv-bytes-per-token",
+                str(kv_bytes_per_token()),
+                "--kv-events-endpoint",
+                proxy.downstream,
+                "--kv-events-replay-endpoint",
+                vllm_server.replay_endpoint,
+                "--no-nvml",
+                "--no-procfs",
+                "--no-cgroup",
+            ]
+        )
+        cfg = load_config(args, environ={})
+        exporter = Exporter(cfg, build_sources(cfg))
+        kv = next(s for s in exporter.sources if isinstance(s, KvEventsSource))
+        await exporter.start()
+        try:
+            await exporter.run_cycle()
+            assert [(s.address, s.bind, s.replay) for s in kv.streams] == [
+                (proxy.downstream, False, vllm_server.replay_endpoint)
+            ]
+            rng = random.Random(time.time_ns())
+            for _ in range(20):  # ZMQ's slow joiner, twice over: vLLM -> proxy -> exporter
+                probe = [rng.randrange(3, 2048) for _ in range(300)]
+                await asyncio.to_thread(complete, vllm_server.url, probe)
+                await asyncio.sleep(0.5)
+                if kv.counters.streams.get(0) is not None:
+                    break
+            stream = kv.counters.streams.get(0)
+            assert stream is not None, "no KV event reached the exporter through the proxy"
+            sim = kv.simulator
+            assert sim is not None
+            await until(lambda: 0 in sim.engines and sim.engines[0].model is not None, 10, "cfg")
+            await until(lambda: sim.processed == stream.batches and kv.queue.empty(), 20, "sim")
+            rec0 = sim.engines[0].builder.stats.recomputed_tokens
+            gaps0, replayed0, lost0 = stream.gaps, stream.replayed, stream.lost
+
+            proxy.armed.set()
+            await asyncio.to_thread(
+                seed_workload, vllm_server.url, batches=5, seed=rng.randrange(1 << 30), pause=0.1
+            )
+            await until(lambda: sim.processed == stream.batches and kv.queue.empty(), 20, "sim")
+            await exporter.run_cycle()
+
+            assert len(proxy.dropped) == 2, f"the workload published too few batches: {proxy}"
+            assert proxy.dropped[1] == proxy.dropped[0] + 1
+            assert stream.gaps - gaps0 == 1
+            assert stream.replayed - replayed0 == 2
+            assert stream.lost - lost0 == 0
+            # The same count as over a lossless stream (test above): every batch simulated.
+            assert sim.engines[0].builder.stats.recomputed_tokens - rec0 == 5 * 12 * BLOCK_SIZE
+            target = cfg.targets[0].label
+            replayed = samples(exporter, "kvoffload_kv_events_replayed_total")
+            assert replayed[(target, "0")] == stream.replayed
+        finally:
+            await exporter.stop()
