@@ -109,11 +109,16 @@ BACKEND_TARGETS: dict[str, tuple[str, float | None]] = {
 
 def _recorded_bodies(config: str, n: int) -> list[str]:
     """n of a recorded run's 1 s /metrics bodies, evenly spaced, first and last included."""
-    path = GPU_RUNS / config / "vllm_metrics.jsonl.xz"
-    with lzma.open(path, "rt", encoding="utf-8") as fh:
-        bodies = [r["body"] for r in map(json.loads, fh) if r.get("status") == 200]
+    bodies = [body for _, body in _recorded(config, "vllm")]
     n = min(n, len(bodies))
     return [bodies[round(i * (len(bodies) - 1) / (n - 1))] for i in range(n)]
+
+
+def _recorded(config: str, source: str) -> list[backfill.Scrape]:
+    """(unix seconds, body) of every successful 1 s GET of a recorded run's endpoint."""
+    path = GPU_RUNS / config / f"{source}_metrics.jsonl.xz"
+    with lzma.open(path, "rt", encoding="utf-8") as fh:
+        return [(float(r["t"]), r["body"]) for r in map(json.loads, fh) if r.get("status") == 200]
 
 
 def backends_series(end: float) -> list[backfill.Series]:
@@ -153,13 +158,6 @@ def backends(workdir: Path) -> Iterator[Data]:
 
 GPU_RUN = "small-b-graphs-long"
 GPU_EXPORTER_INSTANCE = "h200-exporter:9747"
-
-
-def _recorded(config: str, source: str) -> list[backfill.Scrape]:
-    """(unix seconds, body) of every successful 1 s GET of a recorded run's endpoint."""
-    path = GPU_RUNS / config / f"{source}_metrics.jsonl.xz"
-    with lzma.open(path, "rt", encoding="utf-8") as fh:
-        return [(float(r["t"]), r["body"]) for r in map(json.loads, fh) if r.get("status") == 200]
 
 
 def gpu_series(end: float, config: str = GPU_RUN) -> list[backfill.Series]:

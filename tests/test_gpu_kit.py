@@ -44,6 +44,17 @@ def free_port() -> int:
 # --- shapes and configurations -----------------------------------------------------------------
 
 
+def test_the_cpu_smoke_shape_is_the_test_suites_tiny_model() -> None:
+    """The kit runs as a standalone script on the device, so it keeps its own copy."""
+    from testbed.vllm_cpu import BLOCK_SIZE, MODEL_NAME, TINY_MODEL
+
+    assert kit.TINY_LLAMA == TINY_MODEL
+    assert (kit.SHAPES["tiny"].served_name, kit.SHAPES["tiny"].block_size) == (
+        MODEL_NAME,
+        BLOCK_SIZE,
+    )
+
+
 def test_shapes_match_the_published_and_the_large_model() -> None:
     small, large = kit.SHAPES["small"], kit.SHAPES["large"]
     assert small.kv_bytes_per_token == 114_688  # fixtures/vllm-0.26.0-h200 README

@@ -75,7 +75,8 @@ QWEN3_32B: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-# The CPU smoke model: testbed/vllm_cpu.py's tiny Llama (float32, CPU block size 128).
+# The CPU smoke model: testbed/vllm_cpu.py's tiny Llama (float32, CPU block size 128), copied
+# because the kit runs as a standalone script; tests/test_gpu_kit.py keeps the two equal.
 TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

@@ -40,14 +40,38 @@ async def until(cond: Any, timeout: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+def exporter_from_flags(flags: list[str]) -> tuple[Exporter, KvEventsSource]:
+    """The exporter as the command line builds it, host collectors off."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([*flags, "--no-nvml", "--no-procfs", "--no-cgroup"])
+    cfg = load_config(args, environ={})
+    exporter = Exporter(cfg, build_sources(cfg))
+    kv = next(s for s in exporter.sources if isinstance(s, KvEventsSource))
+    return exporter, kv
+
+
+async def join_stream(kv: KvEventsSource, url: str, rng: random.Random, what: str) -> None:
+    """ZMQ's slow joiner: fresh probe prompts until their events arrive, and the model
+    config with them."""
+    for _ in range(20):
+        probe = [rng.randrange(3, 2048) for _ in range(300)]
+        await asyncio.to_thread(complete, url, probe)
+        await asyncio.sleep(0.5)
+        if kv.counters.streams.get(0) is not None:
+            break
+    assert kv.counters.streams.get(0) is not None, f"no KV event reached the exporter {what}"
+    sim = kv.simulator
+    assert sim is not None
+    await until(lambda: 0 in sim.engines and sim.engines[0].model is not None, 10, "config")
+
+
 async def test_real_vllm_recompute_after_eviction_and_whatif(vllm_server, tmp_path: Path) -> None:
     per_token = kv_bytes_per_token()
     per_block = per_token * BLOCK_SIZE
     sizes = [8 * per_block, 35 * per_block, 36 * per_block, 39 * per_block]
     record = tmp_path / "events.jsonl"
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(
+    exporter, kv = exporter_from_flags(
         [
             "--vllm-url",
             vllm_server.url,
@@ -61,32 +85,19 @@ async def test_real_vllm_recompute_after_eviction_and_whatif(vllm_server, tmp_pa
             ",".join(str(s) for s in sizes),
             "--record-events",
             str(record),
-            "--no-nvml",
-            "--no-procfs",
-            "--no-cgroup",
         ]
     )
-    cfg = load_config(args, environ={})
-    exporter = Exporter(cfg, build_sources(cfg))
-    kv = next(s for s in exporter.sources if isinstance(s, KvEventsSource))
+    cfg = exporter.cfg
     await exporter.start()
     try:
         # No endpoint given: the source asks GET /kv_event_sources. vLLM connects to the
         # endpoint it was given, so the exporter binds it.
         await exporter.run_cycle()
         assert [(s.address, s.bind) for s in kv.streams] == [(vllm_server.kv_events_endpoint, True)]
-        # ZMQ's slow joiner: fresh probe prompts until their events arrive.
         rng = random.Random(time.time_ns())
-        for _ in range(20):
-            probe = [rng.randrange(3, 2048) for _ in range(300)]
-            await asyncio.to_thread(complete, vllm_server.url, probe)
-            await asyncio.sleep(0.5)
-            if kv.counters.streams.get(0) is not None:
-                break
-        assert kv.counters.streams.get(0) is not None, "no KV event reached the exporter"
+        await join_stream(kv, vllm_server.url, rng, "")
         sim = kv.simulator
         assert sim is not None
-        await until(lambda: 0 in sim.engines and sim.engines[0].model is not None, 10, "config")
         await exporter.run_cycle()
         rec0 = sim.engines[0].builder.stats.recomputed_tokens
 
@@ -201,9 +212,7 @@ async def test_a_gap_is_recovered_from_the_real_replay_endpoint(
     simulator sees the same stream as without the loss."""
     assert vllm_server.replay_endpoint, "the session's vLLM runs without a replay endpoint"
     with LossyProxy(vllm_server.kv_events_endpoint) as proxy:
-        parser = argparse.ArgumentParser()
-        add_arguments(parser)
-        args = parser.parse_args(
+        exporter, kv = exporter_from_flags(
             [
                 "--vllm-url",
                 vllm_server.url,
@@ -215,14 +224,9 @@ async def test_a_gap_is_recovered_from_the_real_replay_endpoint(
                 proxy.downstream,
                 "--kv-events-replay-endpoint",
                 vllm_server.replay_endpoint,
-                "--no-nvml",
-                "--no-procfs",
-                "--no-cgroup",
             ]
         )
-        cfg = load_config(args, environ={})
-        exporter = Exporter(cfg, build_sources(cfg))
-        kv = next(s for s in exporter.sources if isinstance(s, KvEventsSource))
+        cfg = exporter.cfg
         await exporter.start()
         try:
             await exporter.run_cycle()
@@ -230,17 +234,10 @@ async def test_a_gap_is_recovered_from_the_real_replay_endpoint(
                 (proxy.downstream, False, vllm_server.replay_endpoint)
             ]
             rng = random.Random(time.time_ns())
-            for _ in range(20):  # ZMQ's slow joiner, twice over: vLLM -> proxy -> exporter
-                probe = [rng.randrange(3, 2048) for _ in range(300)]
-                await asyncio.to_thread(complete, vllm_server.url, probe)
-                await asyncio.sleep(0.5)
-                if kv.counters.streams.get(0) is not None:
-                    break
-            stream = kv.counters.streams.get(0)
-            assert stream is not None, "no KV event reached the exporter through the proxy"
+            await join_stream(kv, vllm_server.url, rng, "through the proxy")
+            stream = kv.counters.streams[0]
             sim = kv.simulator
             assert sim is not None
-            await until(lambda: 0 in sim.engines and sim.engines[0].model is not None, 10, "cfg")
             await until(lambda: sim.processed == stream.batches and kv.queue.empty(), 20, "sim")
             rec0 = sim.engines[0].builder.stats.recomputed_tokens
             gaps0, replayed0, lost0 = stream.gaps, stream.replayed, stream.lost
