@@ -7,7 +7,7 @@ and checks:
 - the exported RX total grew by the H2D payload and TX by the D2H payload, times the
   PCIe protocol overhead (~1.078 and ~1.094 measured on an H200 by a standalone script);
 - no poll came too late to be wrap-safe (kvoffload_gpu_pcie_poll_gaps_total stays 0);
-- kvoffload_process_pinned_bytes of this process (exporter.sources.procfs) grew by the
+- kvoffload_process_pinned_bytes of this process (exporter.sources.procfs.source) grew by the
   pinned allocation rounded up to a power of two (PyTorch's host allocator);
 - what the poller thread costs in CPU.
 
@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from exporter.sources.nvml import GpuSnapshot, NvmlSource, PynvmlApi  # noqa: E402
-from exporter.sources.procfs import ProcfsSource  # noqa: E402
+from exporter.sources.nvml.source import GpuSnapshot, NvmlSource, PynvmlApi  # noqa: E402
+from exporter.sources.procfs.source import ProcfsSource  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20

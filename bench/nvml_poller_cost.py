@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from exporter.sources.nvml import (  # noqa: E402
+from exporter.sources.nvml.source import (  # noqa: E402
     NvmlApi,
     NvmlPoller,
     PynvmlApi,

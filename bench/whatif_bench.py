@@ -25,7 +25,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporter.kvevents_codec import BlockRemoved, BlockStored, decode_payload
-from exporter.whatif import (
+from exporter.model.whatif.simulator import (
     Access,
     Model,
     StackModel,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exporter.whatif import Access, Model, StackModel, StackReference
+from exporter.model.whatif.simulator import Access, Model, StackModel, StackReference
 
 DOC_BLOCKS = 32
 SIZES = 7

@@ -8,24 +8,31 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from exporter.advisor import Advice, Advisor, AdvisorInput, MemoryState, PolicyPoint, WhatIfState
-from exporter.backends import backend_families, with_peer_recompute
+from exporter.model.advisor.rules import (
+    Advice,
+    Advisor,
+    AdvisorInput,
+    MemoryState,
+    PolicyPoint,
+    WhatIfState,
+)
+from exporter.model.derive.backends import backend_families, with_peer_recompute
 from exporter.catalogue import Family
-from exporter.collector import (
+from exporter.render.collector import (
     advice_families,
     derived_families,
     render,
     self_families,
 )
 from exporter.config import Config
-from exporter.derive import DeriveSettings, EngineDerived, derive_target
-from exporter.exposition import Exposition
+from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_target
+from exporter.render.exposition import Exposition
 from exporter.logs import log_event
 from exporter.sources import Clock, Source, execute
 from exporter.sources.cgroup import CgroupSource
-from exporter.sources.kv_events import kv_event_sources
-from exporter.sources.nvml import NvmlSource
-from exporter.sources.procfs import ProcfsSource, offload_pool_families, url_port
+from exporter.sources.kv_events.source import kv_event_sources
+from exporter.sources.nvml.source import NvmlSource
+from exporter.sources.procfs.source import ProcfsSource, offload_pool_families, url_port
 from exporter.sources.vllm_http import VllmTarget
 from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import EngineKey

@@ -196,7 +196,7 @@ QUANTITIES: tuple[Quantity, ...] = (
     ),
     Quantity("simple_info", "gauge", (_c("vllm:simple_kv_offload_info"),), by="backend"),
     # LMCache (lmcache:*, labels model_name/worker_id/role/served_model_name): rewritten
-    # onto (served model, engine "0") by exporter.backends.lmcache_samples before this.
+    # onto (served model, engine "0") by exporter.model.derive.backends.lmcache_samples before this.
     Quantity("lmc_requested_tokens", "counter", (_c("lmcache:num_requested_tokens_total"),)),
     Quantity("lmc_hit_tokens", "counter", (_c("lmcache:num_hit_tokens_total"),)),
     Quantity("lmc_stored_tokens", "counter", (_c("lmcache:num_stored_tokens_total"),)),

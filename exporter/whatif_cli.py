@@ -15,7 +15,7 @@ from typing import IO, Any
 
 from exporter.config import parse_bytes
 from exporter.kvevents_codec import Message, ReadStats, read_records
-from exporter.whatif import MODELS, Curve, blocks_for_bytes, replay
+from exporter.model.whatif.simulator import MODELS, Curve, blocks_for_bytes, replay
 
 GIB = 1 << 30
 

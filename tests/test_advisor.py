@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.advisor import (
+from exporter.model.advisor.rules import (
     Action,
     Advisor,
     AdvisorInput,
@@ -17,7 +17,7 @@ from exporter.advisor import (
     WhatIfState,
     evaluate,
 )
-from exporter.derive import DeriveSettings, EngineDerived, OffloadFit, derive_engine
+from exporter.model.derive.engines import DeriveSettings, EngineDerived, OffloadFit, derive_engine
 from exporter.thresholds import DEFAULT
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
 from exporter.window import TargetWindow

@@ -31,17 +31,24 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.whatif_vs_observed import observed, open_text, read_text, windowed_hits
 from exporter import expfmt
-from exporter.advisor import Action, AdvisorInput, PolicyPoint, WhatIfPoint, WhatIfState, evaluate
-from exporter.backends import (
+from exporter.model.advisor.rules import (
+    Action,
+    AdvisorInput,
+    PolicyPoint,
+    WhatIfPoint,
+    WhatIfState,
+    evaluate,
+)
+from exporter.model.derive.backends import (
     backend_families,
     lmcache_samples,
     nixl_link_type,
     with_peer_recompute,
 )
 from exporter.catalogue import CATALOGUE
-from exporter.derive import DeriveSettings, EngineDerived, derive_engine
+from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
 from exporter.kvevents_codec import Message, read_records
-from exporter.sources.kv_events import (
+from exporter.sources.kv_events.source import (
     POLICY_COMBOS,
     KvEventsSettings,
     KvEventsSource,
@@ -53,7 +60,7 @@ from exporter.sources.vllm_http import TargetConfig, VllmTarget
 from exporter.thresholds import DEFAULT
 from exporter.vllm_cmdline import LaunchConfig, launch_config, parse_environ
 from exporter.vllm_metrics import WANTED, EngineKey, normalise
-from exporter.whatif import blocks_for_bytes
+from exporter.model.whatif.simulator import blocks_for_bytes
 from testbed import backfill
 from testbed.replay import ReplayServer, Reply
 from tests.test_advisor import base as advisor_derived

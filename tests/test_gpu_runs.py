@@ -2,9 +2,9 @@
 
 Each configuration's recorded 1 s sequence of vLLM /metrics bodies is served in order by
 testbed.replay and scraped by the real VllmTarget (the exporter's clock set to the recorded
-scrape time), its window goes through exporter.derive.derive_engine, the recorded KV events
+scrape time), its window goes through exporter.model.derive.engines.derive_engine, the recorded KV events
 go through the real KvEventsSource simulator (fed the messages vLLM had published by each
-scrape; the simulator thread's loop is run inline) and exporter.advisor.Advisor decides with
+scrape; the simulator thread's loop is run inline) and exporter.model.advisor.rules.Advisor decides with
 its hysteresis, cycle by cycle as the live exporter did. GPU link, memory limit and PCIe
 utilisation are what the live exporter exported at the time (its recorded /metrics).
 
@@ -41,14 +41,21 @@ import msgspec
 import pytest
 
 from bench.whatif_vs_observed import open_text, read_text
-from exporter.advisor import Action, Advice, Advisor, AdvisorInput, MemoryState, evaluate
-from exporter.derive import DeriveSettings, EngineDerived, derive_engine
+from exporter.model.advisor.rules import (
+    Action,
+    Advice,
+    Advisor,
+    AdvisorInput,
+    MemoryState,
+    evaluate,
+)
+from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
 from exporter.kvevents_codec import Message, read_records
-from exporter.sources.kv_events import KvEventsSettings, KvEventsSource, Simulator
-from exporter.sources.nvml import WrapCounter, link_bandwidth_bytes, max_poll_gap
-from exporter.sources.procfs import offload_pool, parse_smaps, parse_status
+from exporter.sources.kv_events.source import KvEventsSettings, KvEventsSource, Simulator
+from exporter.sources.nvml.source import WrapCounter, link_bandwidth_bytes, max_poll_gap
+from exporter.sources.procfs.source import offload_pool, parse_smaps, parse_status
 from exporter.thresholds import DEFAULT, Thresholds
-from exporter.whatif import blocks_for_bytes
+from exporter.model.whatif.simulator import blocks_for_bytes
 from testbed.replay import ReplayServer, Reply
 
 REPO = Path(__file__).resolve().parent.parent

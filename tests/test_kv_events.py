@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter import expfmt
-from exporter.derive import DeriveSettings, derive_target
+from exporter.model.derive.engines import DeriveSettings, derive_target
 from exporter.kvevents_codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -36,7 +36,7 @@ from exporter.kvevents_codec import (
     read_file,
 )
 from exporter.sources import CollectError
-from exporter.sources.kv_events import (
+from exporter.sources.kv_events.source import (
     RESTART,
     KvEventsSettings,
     KvEventsSource,
@@ -499,7 +499,7 @@ async def test_source_discovers_endpoints_from_vllm() -> None:
 
 
 def test_simulator_counts_bad_payloads_and_restarts() -> None:
-    from exporter.sources.kv_events import Simulator
+    from exporter.sources.kv_events.source import Simulator
 
     sim = Simulator(queue.Queue(), KvEventsSettings(), threading.Event())
     good = ENC.encode([1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "block_size": 16}], 0])
@@ -540,7 +540,7 @@ def _load(argv: list[str], yaml_text: str | None = None, tmp: Path | None = None
 
 
 def test_flags_become_kv_event_settings() -> None:
-    from exporter.sources.kv_events import settings_for
+    from exporter.sources.kv_events.source import settings_for
 
     cfg = _load(
         [
@@ -562,7 +562,7 @@ def test_flags_become_kv_event_settings() -> None:
     assert s.endpoints == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
     assert s.sizes_bytes == (1 << 29, 1 << 30) and s.policy == "arc"
     assert s.record_path == "/tmp/x.jsonl"
-    from exporter.sources.kv_events import streams_from
+    from exporter.sources.kv_events.source import streams_from
 
     assert [(x.rank, x.replay) for x in streams_from(s)] == [
         (0, "tcp://127.0.0.1:5560"),
@@ -614,7 +614,7 @@ def test_bad_kv_event_options_are_config_errors(argv: list[str], problem: str) -
 
 
 def test_simulation_coverage_starts_after_the_last_unsimulated_batch() -> None:
-    from exporter.sources.kv_events import SimConfig, _EngineSim
+    from exporter.sources.kv_events.source import SimConfig, _EngineSim
 
     def batch(ts: float, h: int) -> Message:
         payload = [ts, [{"type": "BlockStored", "block_hashes": [h], "block_size": 16}], 0]

@@ -26,7 +26,7 @@ import pytest
 
 from exporter.catalogue import Family
 from exporter.sources import CollectError, ErrorKind, execute
-from exporter.sources.nvml import (
+from exporter.sources.nvml.source import (
     GPU_IS_LOST,
     LIBRARY_NOT_FOUND,
     METHOD_FIELD_COUNTER,
@@ -801,7 +801,7 @@ def test_poller_cost_bench_runs_on_the_recordings():
 
 
 def test_auto_poll_interval_follows_the_link():
-    from exporter.sources.nvml import auto_poll_interval, link_bandwidth_bytes
+    from exporter.sources.nvml.source import auto_poll_interval, link_bandwidth_bytes
 
     gen5 = link_bandwidth_bytes(5, 16)
     assert gen5 is not None

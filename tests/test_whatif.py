@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.kvevents_codec import Message, decode_batch, read_file
-from exporter.whatif import (
+from exporter.model.whatif.simulator import (
     Access,
     PlainLru,
     Replay,

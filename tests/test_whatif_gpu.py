@@ -25,7 +25,7 @@ from bench.whatif_vs_observed import (
     table,
 )
 from exporter.kvevents_codec import MEDIUM_CPU, BlockRemoved, BlockStored, encode_record
-from exporter.whatif import TraceBuilder, VllmCpuTier, blocks_for_bytes
+from exporter.model.whatif.simulator import TraceBuilder, VllmCpuTier, blocks_for_bytes
 from tests.test_whatif_synth import abcab_messages
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -24,8 +24,8 @@ from exporter.logs import log_event
 from exporter.sources import Clock, CollectError, ErrorKind, Health
 
 if TYPE_CHECKING:
-    from exporter.advisor import MemoryState
-    from exporter.sources.procfs import ProcfsSource
+    from exporter.model.advisor.rules import MemoryState
+    from exporter.sources.procfs.source import ProcfsSource
 
 log = logging.getLogger("kvoe.cgroup")
 
@@ -318,7 +318,7 @@ class CgroupSource:
         view = self.view
         if target != self.target or view is None:
             return None
-        from exporter.advisor import MemoryState
+        from exporter.model.advisor.rules import MemoryState
 
         used = view.unreclaimable
         if used is None and view.limit is not None and view.headroom is not None:

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from exporter import expfmt
-from exporter.backends import lmcache_samples
+from exporter.model.derive.backends import lmcache_samples
 from exporter.catalogue import Family
 from exporter.logs import log_event
 from exporter.sources import Clock, CollectError, ErrorKind, Health

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from exporter.sources import ErrorKind, execute
-from exporter.sources.kv_events import KvEventsSettings, KvEventsSource
+from exporter.sources.kv_events.source import KvEventsSettings, KvEventsSource
 from exporter.sources.vllm_http import TargetConfig, VllmTarget
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
 from testbed.procs import free_port

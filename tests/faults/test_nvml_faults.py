@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from exporter.runtime import Exporter
 from exporter.server import make_app
-from exporter.sources.nvml import GPU_IS_LOST, LIBRARY_NOT_FOUND, NvmlSource
+from exporter.sources.nvml.source import GPU_IS_LOST, LIBRARY_NOT_FOUND, NvmlSource
 from exporter.sources.vllm_http import VllmTarget
 from testbed.replay import ReplayServer, Reply
 from tests.conftest import CPU

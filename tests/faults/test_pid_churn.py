@@ -18,8 +18,9 @@ import textwrap
 
 import pytest
 
-from exporter.sources import ErrorKind, execute, procfs
-from exporter.sources.procfs import ProcfsSource
+from exporter.sources import ErrorKind, execute
+from exporter.sources.procfs import source as procfs
+from exporter.sources.procfs.source import ProcfsSource
 from testbed.procs import free_port
 
 CHURN = textwrap.dedent(

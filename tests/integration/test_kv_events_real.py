@@ -18,7 +18,7 @@ import zmq
 
 from exporter.config import add_arguments, load_config
 from exporter.runtime import Exporter, build_sources
-from exporter.sources.kv_events import KvEventsSource
+from exporter.sources.kv_events.source import KvEventsSource
 from exporter.whatif_cli import run as whatif_cli
 from testbed.procs import free_port
 from testbed.vllm_cpu import BLOCK_SIZE, MODEL_NAME, complete, kv_bytes_per_token, seed_workload

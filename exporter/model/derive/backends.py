@@ -34,7 +34,7 @@ from exporter.vllm_metrics import EngineKey, EngineSample
 from exporter.window import TargetWindow
 
 if TYPE_CHECKING:
-    from exporter.derive import EngineDerived
+    from exporter.model.derive.engines import EngineDerived
 
 NONE = "none"  # not applicable (no connector, a connector without a spec)
 UNKNOWN = "unknown"  # applicable but not observable (no command line, no series)

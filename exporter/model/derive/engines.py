@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from exporter.backends import BackendDerived, backend_derived
+from exporter.model.derive.backends import BackendDerived, backend_derived
 from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
 from exporter.window import TargetWindow

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from exporter.derive import EngineDerived
+from exporter.model.derive.engines import EngineDerived
 from exporter.thresholds import DEFAULT, Thresholds
 from exporter.vllm_metrics import EngineKey
 

@@ -36,9 +36,9 @@ from urllib.parse import urlsplit
 import aiohttp
 import zmq
 
-from exporter.advisor import PolicyPoint, WhatIfPoint, WhatIfState
+from exporter.model.advisor.rules import PolicyPoint, WhatIfPoint, WhatIfState
 from exporter.catalogue import Family
-from exporter.derive import EngineDerived
+from exporter.model.derive.engines import EngineDerived
 from exporter.kvevents_codec import (
     DecodeError,
     Message,
@@ -49,7 +49,7 @@ from exporter.logs import log_event
 from exporter.sources import Clock, CollectError, ErrorKind, Health
 from exporter.sources.vllm_http import TargetConfig, VllmTarget
 from exporter.vllm_metrics import EngineKey
-from exporter.whatif import (
+from exporter.model.whatif.simulator import (
     DEFAULT_SIZES_BYTES,
     Model,
     TraceBuilder,

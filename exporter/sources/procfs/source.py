@@ -28,7 +28,7 @@ from exporter.sources import Clock, CollectError, ErrorKind, Health
 from exporter.vllm_cmdline import LaunchConfig, is_vllm_server, launch_config, parse_environ
 
 if TYPE_CHECKING:
-    from exporter.derive import EngineDerived
+    from exporter.model.derive.engines import EngineDerived
 
 log = logging.getLogger("kvoe.procfs")
 

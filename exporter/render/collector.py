@@ -10,10 +10,10 @@ import platform
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from exporter import __version__
-from exporter.advisor import Action, Advice
+from exporter.model.advisor.rules import Action, Advice
 from exporter.catalogue import Family
-from exporter.derive import EngineDerived
-from exporter.exposition import Exposition
+from exporter.model.derive.engines import EngineDerived
+from exporter.render.exposition import Exposition
 from exporter.sources import ErrorKind, Source
 from exporter.sources.vllm_http import VllmTarget
 from exporter.vllm_metrics import EngineKey

@@ -1,0 +1,1 @@
+"""The model: pure derivations, what-if simulation and advice (no I/O, no clock)."""

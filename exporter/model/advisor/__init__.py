@@ -1,0 +1,1 @@
+"""The advisor: one action per engine, its reason, its text, with hysteresis."""

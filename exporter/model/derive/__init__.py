@@ -1,0 +1,1 @@
+"""Window -> derived values per engine; KV transfer backends; cross-target peers."""

@@ -1,0 +1,1 @@
+"""Rendering: every metric family, the exposition, the JSON documents, the status page."""

@@ -1,0 +1,1 @@
+"""The KV-event collector: publisher discovery, ZMQ receiver, source."""

@@ -1,0 +1,1 @@
+"""The NVML collector: library wrapper, poller thread, source."""

@@ -1,0 +1,1 @@
+"""The procfs collector: pure parsers, vLLM process discovery, source."""
