@@ -53,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporter import expfmt
 from exporter.kvevents_codec import Message, read_records
-from exporter.vllm_metrics import WANTED, normalise
 from exporter.model.whatif.simulator import Replay, blocks_for_bytes, make_model, replay
+from exporter.vllm_metrics import WANTED, normalise
 
 REPO = Path(__file__).resolve().parent.parent
 H200 = REPO / "tests" / "fixtures" / "vllm-0.26.0-h200"

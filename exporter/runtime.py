@@ -8,6 +8,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from exporter.catalogue import Family
+from exporter.config import Config
+from exporter.logs import log_event
 from exporter.model.advisor.rules import (
     Advice,
     Advisor,
@@ -17,17 +20,14 @@ from exporter.model.advisor.rules import (
     WhatIfState,
 )
 from exporter.model.derive.backends import backend_families, with_peer_recompute
-from exporter.catalogue import Family
+from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_target
 from exporter.render.collector import (
     advice_families,
     derived_families,
     render,
     self_families,
 )
-from exporter.config import Config
-from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_target
 from exporter.render.exposition import Exposition
-from exporter.logs import log_event
 from exporter.sources import Clock, Source, execute
 from exporter.sources.cgroup import CgroupSource
 from exporter.sources.kv_events.source import kv_event_sources

@@ -31,6 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.whatif_vs_observed import observed, open_text, read_text, windowed_hits
 from exporter import expfmt
+from exporter.catalogue import CATALOGUE
+from exporter.kvevents_codec import Message, read_records
 from exporter.model.advisor.rules import (
     Action,
     AdvisorInput,
@@ -45,9 +47,8 @@ from exporter.model.derive.backends import (
     nixl_link_type,
     with_peer_recompute,
 )
-from exporter.catalogue import CATALOGUE
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
-from exporter.kvevents_codec import Message, read_records
+from exporter.model.whatif.simulator import blocks_for_bytes
 from exporter.sources.kv_events.source import (
     POLICY_COMBOS,
     KvEventsSettings,
@@ -60,7 +61,6 @@ from exporter.sources.vllm_http import TargetConfig, VllmTarget
 from exporter.thresholds import DEFAULT
 from exporter.vllm_cmdline import LaunchConfig, launch_config, parse_environ
 from exporter.vllm_metrics import WANTED, EngineKey, normalise
-from exporter.model.whatif.simulator import blocks_for_bytes
 from testbed import backfill
 from testbed.replay import ReplayServer, Reply
 from tests.test_advisor import base as advisor_derived

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exporter.model.derive.engines import DeriveSettings, derive_target
 from exporter.expfmt import Sample
+from exporter.model.derive.engines import DeriveSettings, derive_target
 from exporter.vllm_metrics import (
     MAX_SPLIT_VALUES,
     QUANTITIES,

@@ -41,6 +41,7 @@ import msgspec
 import pytest
 
 from bench.whatif_vs_observed import open_text, read_text
+from exporter.kvevents_codec import Message, read_records
 from exporter.model.advisor.rules import (
     Action,
     Advice,
@@ -50,12 +51,11 @@ from exporter.model.advisor.rules import (
     evaluate,
 )
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
-from exporter.kvevents_codec import Message, read_records
+from exporter.model.whatif.simulator import blocks_for_bytes
 from exporter.sources.kv_events.source import KvEventsSettings, KvEventsSource, Simulator
 from exporter.sources.nvml.source import WrapCounter, link_bandwidth_bytes, max_poll_gap
 from exporter.sources.procfs.source import offload_pool, parse_smaps, parse_status
 from exporter.thresholds import DEFAULT, Thresholds
-from exporter.model.whatif.simulator import blocks_for_bytes
 from testbed.replay import ReplayServer, Reply
 
 REPO = Path(__file__).resolve().parent.parent

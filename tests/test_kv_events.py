@@ -21,7 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter import expfmt
-from exporter.model.derive.engines import DeriveSettings, derive_target
 from exporter.kvevents_codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -35,6 +34,7 @@ from exporter.kvevents_codec import (
     encode_record,
     read_file,
 )
+from exporter.model.derive.engines import DeriveSettings, derive_target
 from exporter.sources import CollectError
 from exporter.sources.kv_events.source import (
     RESTART,

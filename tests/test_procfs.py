@@ -23,9 +23,9 @@ from exporter.model.derive.engines import DeriveSettings, derive_target
 from exporter.runtime import Exporter, build_sources
 from exporter.server import make_app
 from exporter.sources import CollectError, ErrorKind, execute
-from exporter.sources.procfs import source as procfs
 from exporter.sources.cgroup import CgroupSource
 from exporter.sources.nvml.source import NvmlSource
+from exporter.sources.procfs import source as procfs
 from exporter.sources.procfs.source import (
     PoolEstimate,
     ProcessMemory,

@@ -10,8 +10,8 @@ import platform
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from exporter import __version__
-from exporter.model.advisor.rules import Action, Advice
 from exporter.catalogue import Family
+from exporter.model.advisor.rules import Action, Advice
 from exporter.model.derive.engines import EngineDerived
 from exporter.render.exposition import Exposition
 from exporter.sources import ErrorKind, Source

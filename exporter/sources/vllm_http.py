@@ -13,9 +13,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from exporter import expfmt
-from exporter.model.derive.backends import lmcache_samples
 from exporter.catalogue import Family
 from exporter.logs import log_event
+from exporter.model.derive.backends import lmcache_samples
 from exporter.sources import Clock, CollectError, ErrorKind, Health
 from exporter.vllm_metrics import DEFAULT_MAX_ENGINES, WANTED, normalise
 from exporter.window import TargetWindow

@@ -36,9 +36,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import zmq
 
-from exporter.model.advisor.rules import PolicyPoint, WhatIfPoint, WhatIfState
 from exporter.catalogue import Family
-from exporter.model.derive.engines import EngineDerived
 from exporter.kvevents_codec import (
     DecodeError,
     Message,
@@ -46,9 +44,8 @@ from exporter.kvevents_codec import (
     encode_record,
 )
 from exporter.logs import log_event
-from exporter.sources import Clock, CollectError, ErrorKind, Health
-from exporter.sources.vllm_http import TargetConfig, VllmTarget
-from exporter.vllm_metrics import EngineKey
+from exporter.model.advisor.rules import PolicyPoint, WhatIfPoint, WhatIfState
+from exporter.model.derive.engines import EngineDerived
 from exporter.model.whatif.simulator import (
     DEFAULT_SIZES_BYTES,
     Model,
@@ -58,6 +55,9 @@ from exporter.model.whatif.simulator import (
     make_model,
     ttft_saved_seconds_per_second,
 )
+from exporter.sources import Clock, CollectError, ErrorKind, Health
+from exporter.sources.vllm_http import TargetConfig, VllmTarget
+from exporter.vllm_metrics import EngineKey
 
 if TYPE_CHECKING:
     from exporter.config import Config
