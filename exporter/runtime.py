@@ -11,14 +11,8 @@ from dataclasses import replace
 from exporter.catalogue import Family
 from exporter.config import Config
 from exporter.logs import log_event
-from exporter.model.advisor.rules import (
-    Advice,
-    Advisor,
-    AdvisorInput,
-    MemoryState,
-    PolicyPoint,
-    WhatIfState,
-)
+from exporter.model.advisor.hysteresis import Advisor
+from exporter.model.advisor.types import Advice, AdvisorInput, MemoryState, PolicyPoint, WhatIfState
 from exporter.model.derive.backends import backend_families, with_peer_recompute
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_target
 from exporter.render.collector import (

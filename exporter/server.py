@@ -15,8 +15,8 @@ from aiohttp import web
 
 from exporter import __version__
 from exporter.logs import log_event
-from exporter.model.advisor.rules import advice_json
 from exporter.model.derive.engines import EngineDerived
+from exporter.render.advice_json import advice_json
 from exporter.render.exposition import OPENMETRICS, TEXT
 from exporter.runtime import Exporter
 from exporter.webconfig import BasicAuth, TokenBucket, WebConfig, load_web_config, peer_sans

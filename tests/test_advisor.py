@@ -8,15 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from exporter.model.advisor.rules import (
-    Action,
-    Advisor,
-    AdvisorInput,
-    MemoryState,
-    WhatIfPoint,
-    WhatIfState,
-    evaluate,
-)
+from exporter.model.advisor.hysteresis import Advisor
+from exporter.model.advisor.rules import evaluate
+from exporter.model.advisor.types import Action, AdvisorInput, MemoryState, WhatIfPoint, WhatIfState
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, OffloadFit, derive_engine
 from exporter.thresholds import DEFAULT
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample

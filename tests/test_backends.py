@@ -33,14 +33,8 @@ from bench.whatif_vs_observed import observed, open_text, read_text, windowed_hi
 from exporter import expfmt
 from exporter.catalogue import CATALOGUE
 from exporter.kvevents_codec import Message, read_records
-from exporter.model.advisor.rules import (
-    Action,
-    AdvisorInput,
-    PolicyPoint,
-    WhatIfPoint,
-    WhatIfState,
-    evaluate,
-)
+from exporter.model.advisor.rules import evaluate
+from exporter.model.advisor.types import Action, AdvisorInput, PolicyPoint, WhatIfPoint, WhatIfState
 from exporter.model.derive.backends import (
     backend_families,
     lmcache_samples,

@@ -4,7 +4,7 @@ Each configuration's recorded 1 s sequence of vLLM /metrics bodies is served in 
 testbed.replay and scraped by the real VllmTarget (the exporter's clock set to the recorded
 scrape time), its window goes through exporter.model.derive.engines.derive_engine, the recorded KV events
 go through the real KvEventsSource simulator (fed the messages vLLM had published by each
-scrape; the simulator thread's loop is run inline) and exporter.model.advisor.rules.Advisor decides with
+scrape; the simulator thread's loop is run inline) and exporter.model.advisor.hysteresis.Advisor decides with
 its hysteresis, cycle by cycle as the live exporter did. GPU link, memory limit and PCIe
 utilisation are what the live exporter exported at the time (its recorded /metrics).
 
@@ -42,14 +42,9 @@ import pytest
 
 from bench.whatif_vs_observed import open_text, read_text
 from exporter.kvevents_codec import Message, read_records
-from exporter.model.advisor.rules import (
-    Action,
-    Advice,
-    Advisor,
-    AdvisorInput,
-    MemoryState,
-    evaluate,
-)
+from exporter.model.advisor.hysteresis import Advisor
+from exporter.model.advisor.rules import evaluate
+from exporter.model.advisor.types import Action, Advice, AdvisorInput, MemoryState
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
 from exporter.model.whatif.simulator import blocks_for_bytes
 from exporter.sources.kv_events.source import KvEventsSettings, KvEventsSource, Simulator

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from exporter import __version__
 from exporter.catalogue import Family
-from exporter.model.advisor.rules import Action, Advice
+from exporter.model.advisor.types import Action, Advice
 from exporter.model.derive.engines import EngineDerived
 from exporter.render.exposition import Exposition
 from exporter.sources import ErrorKind, Source

@@ -1,101 +1,33 @@
-"""The advisor: one current action per engine, with the reason and the numbers behind it.
+"""The advisor's rules: one action per engine from one evaluation, with the reason and the
+numbers behind it.
 
-Pure decision logic over what the exporter already derived (window ratios, the
-marginal prefill fit, the TTFT fit of loaded tokens, the what-if curve, memory
-headroom, PCIe load). The only state is hysteresis: a new action must win several
-evaluations in a row before it replaces the current one, so advice does not flap.
+Pure decision logic over what the exporter already derived (window ratios, the marginal
+prefill fit, the TTFT fit of loaded tokens, the what-if curve, memory headroom, PCIe load).
+Hysteresis over evaluations is exporter.model.advisor.hysteresis.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any
+from collections.abc import Callable, Sequence
 
+from exporter.model.advisor.text import GIB, gib, pct, rate
+from exporter.model.advisor.types import (
+    Action,
+    Advice,
+    AdvisorInput,
+    PolicyPoint,
+    Reason,
+    WhatIfPoint,
+)
 from exporter.model.derive.engines import EngineDerived
 from exporter.thresholds import DEFAULT, Thresholds
-from exporter.vllm_metrics import EngineKey
-
-GIB = 1 << 30
-
-
-class Action(StrEnum):
-    ENABLE_OFFLOAD = "enable_offload"
-    GROW_BUFFER = "grow_buffer"
-    SHRINK_BUFFER = "shrink_buffer"
-    RAISE_STORE_THRESHOLD = "raise_store_threshold"
-    DISABLE_OFFLOAD = "disable_offload"
-    REDUCE_BUFFER_OOM_RISK = "reduce_buffer_oom_risk"
-    KEEP = "keep"
-    NO_ACTION = "no_action"
-    INSUFFICIENT_DATA = "insufficient_data"
-
-
-# Acted on at once: waiting out the hysteresis would mean an OOM kill or stale advice.
-URGENT = frozenset({Action.REDUCE_BUFFER_OOM_RISK, Action.INSUFFICIENT_DATA})
-
-
-@dataclass(frozen=True, slots=True)
-class WhatIfPoint:
-    cpu_buffer_bytes: float
-    hit_ratio: float  # hit tokens / all prompt tokens, comparable to the observed ratio
-    ttft_saved_seconds_per_second: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class WhatIfState:
-    points: tuple[WhatIfPoint, ...]
-    recomputed_after_eviction_tokens: float  # over the window
-    configured_hit_ratio: float | None = None  # simulated at the configured buffer
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryState:
-    limit_bytes: float | None  # None: no container limit
-    usage_bytes: float | None
-    pool_bytes: float | None  # offload pool actually pinned/shared for this target
-    pool_to_buffer_ratio: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyPoint:
-    """The what-if hit ratio of one eviction policy and store threshold at one size."""
-
-    policy: str  # lru | arc
-    store_threshold: int  # 0 = off
-    cpu_buffer_bytes: float
-    hit_ratio: float  # hit tokens / all prompt tokens
-    configured: bool = False  # the engine runs with this policy and threshold
-
-
-@dataclass(frozen=True, slots=True)
-class AdvisorInput:
-    derived: EngineDerived
-    covered_seconds: float
-    whatif: WhatIfState | None = None
-    memory: MemoryState | None = None
-    pcie_utilization: float | None = None  # busiest direction of the busiest GPU, 0..1
-    # The same traffic replayed with each policy/threshold (explanations only, no action).
-    policy_alternatives: tuple[PolicyPoint, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Advice:
-    action: Action
-    reason: str
-    explanation: str
-    recommended_buffer_bytes: float | None = None
-    numbers: Mapping[str, float | None] = field(default_factory=dict)
-    candidate: Action | None = None  # what the latest evaluation alone would say
-
 
 # Reasons after which a better eviction policy changes nothing: reloads do not pay at all,
 # or the evidence is missing.
 _NO_POLICY_NOTE = frozenset(
-    {"reload_slower_than_recompute", "reload_gain_too_small", "memory_near_limit"}
+    {Reason.RELOAD_SLOWER_THAN_RECOMPUTE, Reason.RELOAD_GAIN_TOO_SMALL, Reason.MEMORY_NEAR_LIMIT}
 )
 
 
@@ -105,7 +37,7 @@ def _policy_label(p: PolicyPoint) -> str:
     )
 
 
-def _policy_note(inp: AdvisorInput, th: Thresholds, action: Action, reason: str) -> str:
+def _policy_note(inp: AdvisorInput, th: Thresholds, action: Action, reason: Reason) -> str:
     """A sentence naming a policy/threshold the what-if says serves materially more."""
     alts = inp.policy_alternatives
     if not alts or action == Action.INSUFFICIENT_DATA or reason in _NO_POLICY_NOTE:
@@ -124,23 +56,11 @@ def _policy_note(inp: AdvisorInput, th: Thresholds, action: Action, reason: str)
         extra["store_threshold"] = best.store_threshold
     which = "the configured" if base.configured else "vLLM's default"
     return (
-        f" The what-if replay at {_gib(best.cpu_buffer_bytes)} serves "
-        f"{_pct(best.hit_ratio)} of prompt tokens with {_policy_label(best)} against "
-        f"{_pct(base.hit_ratio)} with {which} {_policy_label(base)}: set "
+        f" The what-if replay at {gib(best.cpu_buffer_bytes)} serves "
+        f"{pct(best.hit_ratio)} of prompt tokens with {_policy_label(best)} against "
+        f"{pct(base.hit_ratio)} with {which} {_policy_label(base)}: set "
         f"kv_connector_extra_config {json.dumps(extra)}."
     )
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
-def _gib(x: float | None) -> str:
-    return "n/a" if x is None else f"{x / GIB:.2f} GiB"
-
-
-def _rate(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:,.0f} tokens/s"
 
 
 # Pinned pools cost more than the flag says: vLLM 0.26 rounds each per-layer tensor up to a
@@ -204,7 +124,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["memory_usage_bytes"] = inp.memory.usage_bytes
         numbers["offload_pool_bytes"] = inp.memory.pool_bytes
 
-    def advice(action: Action, reason: str, text: str, rec: float | None = None) -> Advice:
+    def advice(action: Action, reason: Reason, text: str, rec: float | None = None) -> Advice:
         return Advice(action, reason, text + _policy_note(inp, th, action, reason), rec, numbers)
 
     best = max(inp.policy_alternatives, key=lambda p: p.hit_ratio, default=None)
@@ -214,7 +134,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
     if not d.fresh:
         return advice(
             Action.INSUFFICIENT_DATA,
-            "target_stale",
+            Reason.TARGET_STALE,
             "The target has not been scraped successfully for more than two "
             "intervals; no advice is given from stale data.",
         )
@@ -222,7 +142,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         need = th.min_window_seconds - inp.covered_seconds
         return advice(
             Action.INSUFFICIENT_DATA,
-            "window_too_short",
+            Reason.WINDOW_TOO_SHORT,
             f"Only {inp.covered_seconds:.0f} s of data; {need:.0f} s more are needed "
             "before the ratios are worth acting on.",
         )
@@ -230,7 +150,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         seen = prompt or 0.0
         return advice(
             Action.INSUFFICIENT_DATA,
-            "too_little_traffic",
+            Reason.TOO_LITTLE_TRAFFIC,
             f"{seen:,.0f} prompt tokens in the window; at least "
             f"{th.min_prompt_tokens:,.0f} are needed ({th.min_prompt_tokens - seen:,.0f} "
             "more) before hit ratios say anything.",
@@ -259,11 +179,11 @@ def _evaluate_on(
         rec = min(headroom, d.offload_buffer_bytes or headroom) if headroom is not None else None
         return advice(
             Action.REDUCE_BUFFER_OOM_RISK,
-            "memory_near_limit",
-            f"The container uses {_pct(mem.usage_bytes / mem.limit_bytes)} of its memory limit "
-            f"({_gib(mem.limit_bytes)}); the pinned offload pool ({_gib(mem.pool_bytes)}) is "
+            Reason.MEMORY_NEAR_LIMIT,
+            f"The container uses {pct(mem.usage_bytes / mem.limit_bytes)} of its memory limit "
+            f"({gib(mem.limit_bytes)}); the pinned offload pool ({gib(mem.pool_bytes)}) is "
             "never swapped or reclaimed, so the next allocation risks an OOM kill. Reduce "
-            f"--kv-offloading-size to at most {_gib(rec)} or raise the limit.",
+            f"--kv-offloading-size to at most {gib(rec)} or raise the limit.",
             rec,
         )
     ofit = d.offload_fit
@@ -278,7 +198,7 @@ def _evaluate_on(
         if slower or (interval is not None and interval[1] < 1.0):
             return advice(
                 Action.DISABLE_OFFLOAD,
-                "reload_slower_than_recompute",
+                Reason.RELOAD_SLOWER_THAN_RECOMPUTE,
                 f"Measured from TTFT across the window, {costs}: reloading does not beat "
                 "recomputing on this model and GPU (fixed per-request cost dominates). Offload "
                 "only adds PCIe traffic and pinned memory here; turn it off.",
@@ -286,7 +206,7 @@ def _evaluate_on(
         if interval is not None and interval[1] < th.transfer_speedup_min:
             return advice(
                 Action.DISABLE_OFFLOAD,
-                "reload_gain_too_small",
+                Reason.RELOAD_GAIN_TOO_SMALL,
                 f"Measured from TTFT across the window, {costs}: reloading is at most "
                 f"{interval[1]:.2f}x faster than recomputing (needs "
                 f"{th.transfer_speedup_min:.1f}x), too little to pay for the pinned memory and "
@@ -297,12 +217,12 @@ def _evaluate_on(
     ):
         return advice(
             Action.DISABLE_OFFLOAD,
-            "reload_slower_than_recompute",
-            f"The CPU tier reloads {_rate(d.transfer_tokens_per_second)} but "
+            Reason.RELOAD_SLOWER_THAN_RECOMPUTE,
+            f"The CPU tier reloads {rate(d.transfer_tokens_per_second)} but "
             + (
                 "recomputing costs no measurable time per token on this engine"
                 if d.recompute_negligible
-                else f"this engine recomputes {_rate(d.recompute_tokens_per_second)} at the margin"
+                else f"this engine recomputes {rate(d.recompute_tokens_per_second)} at the margin"
             )
             + f" (speedup {d.transfer_speedup:.2f}): every reload is slower than recomputing. "
             "Turn offload off.",
@@ -324,10 +244,10 @@ def _evaluate_on(
         if grow is not None and pays:
             return advice(
                 Action.GROW_BUFFER,
-                "buffer_too_small",
-                f"Only {_pct(hit)} of prompt tokens come back from the CPU tier, but the "
-                f"what-if replay of this traffic reaches {_pct(grow.hit_ratio)} with "
-                f"{_gib(grow.cpu_buffer_bytes)}, which fits the memory headroom.",
+                Reason.BUFFER_TOO_SMALL,
+                f"Only {pct(hit)} of prompt tokens come back from the CPU tier, but the "
+                f"what-if replay of this traffic reaches {pct(grow.hit_ratio)} with "
+                f"{gib(grow.cpu_buffer_bytes)}, which fits the memory headroom.",
                 grow.cpu_buffer_bytes,
             )
         upper = _estimate_upper(d)
@@ -336,17 +256,17 @@ def _evaluate_on(
             # growing nor removing the tier is justified yet.
             return advice(
                 Action.INSUFFICIENT_DATA,
-                "speedup_uncertain",
-                f"Only {_pct(hit)} of prompt tokens come back from the CPU tier; the what-if "
-                f"replay reaches {_pct(grow.hit_ratio)} with {_gib(grow.cpu_buffer_bytes)}, but "
+                Reason.SPEEDUP_UNCERTAIN,
+                f"Only {pct(hit)} of prompt tokens come back from the CPU tier; the what-if "
+                f"replay reaches {pct(grow.hit_ratio)} with {gib(grow.cpu_buffer_bytes)}, but "
                 "whether reloads beat recomputing here is not measured precisely enough yet to "
                 "recommend growing the buffer or removing it.",
             )
         return advice(
             Action.DISABLE_OFFLOAD,
-            "no_reuse",
-            f"Only {_pct(hit)} of prompt tokens come back from the CPU tier and "
-            f"{_pct(d.reuse_ratio)} of the bytes stored are ever loaded: offloaded prefixes "
+            Reason.NO_REUSE,
+            f"Only {pct(hit)} of prompt tokens come back from the CPU tier and "
+            f"{pct(d.reuse_ratio)} of the bytes stored are ever loaded: offloaded prefixes "
             "are not reused, so offload costs PCIe bandwidth and pinned memory for nothing.",
         )
     if (
@@ -366,8 +286,8 @@ def _evaluate_on(
         )
         return advice(
             Action.INSUFFICIENT_DATA,
-            "reload_benefit_unmeasured",
-            f"{_pct(hit)} of prompt tokens come back from the CPU tier, but whether that makes "
+            Reason.RELOAD_BENEFIT_UNMEASURED,
+            f"{pct(hit)} of prompt tokens come back from the CPU tier, but whether that makes "
             f"requests faster is not measured yet: {why}. vLLM's copy-time counter alone "
             f"(speedup {d.transfer_speedup or float('nan'):.2f}) leaves out per-load costs.",
         )
@@ -379,9 +299,9 @@ def _evaluate_on(
     ):
         return advice(
             Action.RAISE_STORE_THRESHOLD,
-            "stores_without_reuse_pcie_busy",
-            f"Loads are {_pct(d.reuse_ratio)} of stores while PCIe runs at "
-            f"{_pct(inp.pcie_utilization)} of the link: most stores are never read back. Set "
+            Reason.STORES_WITHOUT_REUSE_PCIE_BUSY,
+            f"Loads are {pct(d.reuse_ratio)} of stores while PCIe runs at "
+            f"{pct(inp.pcie_utilization)} of the link: most stores are never read back. Set "
             "kv_connector_extra_config store_threshold to 2 or more so only prefixes seen "
             "repeatedly are offloaded.",
         )
@@ -390,20 +310,20 @@ def _evaluate_on(
         if grow is not None:
             return advice(
                 Action.GROW_BUFFER,
-                "buffer_too_small",
-                f"The what-if replay reaches {_pct(grow.hit_ratio)} with "
-                f"{_gib(grow.cpu_buffer_bytes)} against {_pct(whatif.configured_hit_ratio)} "
-                f"with the configured {_gib(d.offload_buffer_bytes)}.",
+                Reason.BUFFER_TOO_SMALL,
+                f"The what-if replay reaches {pct(grow.hit_ratio)} with "
+                f"{gib(grow.cpu_buffer_bytes)} against {pct(whatif.configured_hit_ratio)} "
+                f"with the configured {gib(d.offload_buffer_bytes)}.",
                 grow.cpu_buffer_bytes,
             )
         shrink = _smaller_size(inp, th)
         if shrink is not None:
             return advice(
                 Action.SHRINK_BUFFER,
-                "buffer_larger_than_needed",
-                f"The what-if replay reaches {_pct(shrink.hit_ratio)} with only "
-                f"{_gib(shrink.cpu_buffer_bytes)}, about what the configured "
-                f"{_gib(d.offload_buffer_bytes)} gives ({_pct(whatif.configured_hit_ratio)}); "
+                Reason.BUFFER_LARGER_THAN_NEEDED,
+                f"The what-if replay reaches {pct(shrink.hit_ratio)} with only "
+                f"{gib(shrink.cpu_buffer_bytes)}, about what the configured "
+                f"{gib(d.offload_buffer_bytes)} gives ({pct(whatif.configured_hit_ratio)}); "
                 "the rest of the pinned pool is wasted memory.",
                 shrink.cpu_buffer_bytes,
             )
@@ -412,8 +332,8 @@ def _evaluate_on(
         gain = f" Each loaded token saves {saving * 1e6:.2f} us of TTFT (measured)."
     return advice(
         Action.KEEP,
-        "paying_off",
-        f"{_pct(hit)} of prompt tokens are served from the CPU tier and reloads beat "
+        Reason.PAYING_OFF,
+        f"{pct(hit)} of prompt tokens are served from the CPU tier and reloads beat "
         f"recomputing (speedup {d.transfer_speedup or float('nan'):.2f}).{gain} Keep it.",
     )
 
@@ -467,26 +387,26 @@ def _evaluate_off(
         if pressure:
             return advice(
                 Action.INSUFFICIENT_DATA,
-                "kv_events_off",
-                f"GPU KV cache is under pressure (usage {_pct(d.kv_usage)}, "
+                Reason.KV_EVENTS_OFF,
+                f"GPU KV cache is under pressure (usage {pct(d.kv_usage)}, "
                 f"{w.get('preemptions', 0):.0f} preemptions) but without KV cache events the "
                 "exporter cannot tell whether evicted prefixes come back. Enable "
                 "--kv-events-config and point it at the exporter.",
             )
         return advice(
             Action.NO_ACTION,
-            "no_kv_pressure",
-            f"GPU KV cache usage is {_pct(d.kv_usage)} with no preemptions: "
+            Reason.NO_KV_PRESSURE,
+            f"GPU KV cache usage is {pct(d.kv_usage)} with no preemptions: "
             "offload would have nothing to catch.",
         )
     share = whatif.recomputed_after_eviction_tokens / prompt if prompt else 0.0
-    numbers_share = f"{_pct(share)} of prompt tokens"
+    numbers_share = f"{pct(share)} of prompt tokens"
     if share < th.recompute_share_material:
         return advice(
             Action.NO_ACTION,
-            "no_recompute_after_eviction",
+            Reason.NO_RECOMPUTE_AFTER_EVICTION,
             f"Prefixes evicted from GPU KV and then needed again are {numbers_share} "
-            f"(below {_pct(th.recompute_share_material)}): offload would rarely hit.",
+            f"(below {pct(th.recompute_share_material)}): offload would rarely hit.",
         )
     if d.transfer_speedup is None:
         why = (
@@ -501,7 +421,7 @@ def _evaluate_off(
             )
         return advice(
             Action.INSUFFICIENT_DATA,
-            "transfer_rate_unknown",
+            Reason.TRANSFER_RATE_UNKNOWN,
             f"Evicted prefixes are recomputed ({numbers_share}), so a CPU tier could catch "
             f"them, but whether reloading beats recomputing cannot be judged: {why}. Note that "
             "vLLM's CPU offload needs a CUDA or XPU GPU.",
@@ -509,9 +429,9 @@ def _evaluate_off(
     if d.transfer_speedup < th.transfer_speedup_min:
         return advice(
             Action.NO_ACTION,
-            "reload_not_faster_estimate",
+            Reason.RELOAD_NOT_FASTER_ESTIMATE,
             f"Evicted prefixes are recomputed ({numbers_share}), but reloading would run at "
-            f"{_rate(d.transfer_tokens_per_second)} against {_rate(d.recompute_tokens_per_second)} "
+            f"{rate(d.transfer_tokens_per_second)} against {rate(d.recompute_tokens_per_second)} "
             f"of marginal recompute (speedup {d.transfer_speedup:.2f}, below "
             f"{th.transfer_speedup_min:.1f} with fixed per-load costs not yet counted): "
             "offload would not make TTFT better on this model and GPU.",
@@ -527,7 +447,7 @@ def _evaluate_off(
         )
         return advice(
             Action.INSUFFICIENT_DATA,
-            "speedup_uncertain",
+            Reason.SPEEDUP_UNCERTAIN,
             f"Evicted prefixes are recomputed ({numbers_share}) and the best estimate says "
             f"reloading would be {d.transfer_speedup:.1f}x faster than recomputing, but the "
             f"marginal recompute cost is not yet measured precisely enough{spread} to be sure "
@@ -539,84 +459,19 @@ def _evaluate_off(
         best = max((p.hit_ratio for p in whatif.points), default=0.0)
         return advice(
             Action.NO_ACTION,
-            "whatif_no_gain",
-            f"The what-if replay of this traffic reaches at most {_pct(best)} from a CPU tier "
-            f"that fits the memory headroom ({_gib(headroom)}): not worth the pinned memory.",
+            Reason.WHATIF_NO_GAIN,
+            f"The what-if replay of this traffic reaches at most {pct(best)} from a CPU tier "
+            f"that fits the memory headroom ({gib(headroom)}): not worth the pinned memory.",
         )
     saved = knee.ttft_saved_seconds_per_second
     extra = f", saving about {saved:.3f} s of TTFT per second" if saved is not None else ""
     return advice(
         Action.ENABLE_OFFLOAD,
-        "recompute_after_eviction",
+        Reason.RECOMPUTE_AFTER_EVICTION,
         f"{numbers_share} are prefixes recomputed after GPU eviction; a CPU tier of "
-        f"{_gib(knee.cpu_buffer_bytes)} would have served {_pct(knee.hit_ratio)} of prompt "
+        f"{gib(knee.cpu_buffer_bytes)} would have served {pct(knee.hit_ratio)} of prompt "
         f"tokens{extra}, and reloading runs {d.transfer_speedup:.1f}x faster than recomputing. "
         f"Start vLLM with --kv-offloading-size {knee.cpu_buffer_bytes / GIB:g} "
         "--kv-offloading-backend native.",
         knee.cpu_buffer_bytes,
     )
-
-
-class Advisor:
-    """Applies hysteresis over evaluations, per engine."""
-
-    def __init__(self, thresholds: Thresholds = DEFAULT, confirm: int = 3) -> None:
-        self.thresholds = thresholds
-        self.confirm = max(1, confirm)
-        self._current: dict[tuple[str, EngineKey], Advice] = {}
-        self._pending: dict[tuple[str, EngineKey], tuple[Action, int]] = {}
-
-    def update(self, target: str, inp: AdvisorInput) -> Advice:
-        key = (target, inp.derived.key)
-        fresh = evaluate(inp, self.thresholds)
-        current = self._current.get(key)
-        if (
-            current is None
-            or fresh.action == current.action
-            or fresh.action in URGENT
-            or current.action == Action.INSUFFICIENT_DATA
-        ):
-            self._pending.pop(key, None)
-            self._current[key] = fresh
-            return fresh
-        action, count = self._pending.get(key, (fresh.action, 0))
-        count = count + 1 if action == fresh.action else 1
-        self._pending[key] = (fresh.action, count)
-        if count >= self.confirm:
-            self._pending.pop(key, None)
-            self._current[key] = fresh
-            return fresh
-        # Keep the standing advice; refresh its numbers, say what is pending.
-        held = Advice(
-            current.action,
-            current.reason,
-            current.explanation,
-            current.recommended_buffer_bytes,
-            fresh.numbers,
-            fresh.action,
-        )
-        self._current[key] = held
-        return held
-
-    def forget_missing(self, present: set[tuple[str, EngineKey]]) -> None:
-        for key in [k for k in self._current if k not in present]:
-            self._current.pop(key, None)
-            self._pending.pop(key, None)
-
-
-def advice_json(target: str, key: EngineKey, a: Advice, th: Thresholds) -> dict[str, Any]:
-    def clean(v: float | None) -> float | None:
-        return None if v is None or not math.isfinite(v) else v
-
-    return {
-        "target": target,
-        "model_name": key.model_name,
-        "engine": key.engine,
-        "action": str(a.action),
-        "reason": a.reason,
-        "explanation": a.explanation,
-        "recommended_buffer_bytes": clean(a.recommended_buffer_bytes),
-        "pending_action": str(a.candidate) if a.candidate else None,
-        "numbers": {k: clean(v) for k, v in a.numbers.items()},
-        "thresholds": {f: getattr(th, f) for f in th.__dataclass_fields__},
-    }

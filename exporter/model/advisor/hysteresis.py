@@ -1,0 +1,56 @@
+"""Hysteresis over the advisor's evaluations: a new action must win several in a row before
+it replaces the current one, so advice does not flap; urgent actions apply at once."""
+
+from __future__ import annotations
+
+from exporter.model.advisor.rules import evaluate
+from exporter.model.advisor.types import URGENT, Action, Advice, AdvisorInput
+from exporter.thresholds import DEFAULT, Thresholds
+from exporter.vllm_metrics import EngineKey
+
+
+class Advisor:
+    """Applies hysteresis over evaluations, per engine."""
+
+    def __init__(self, thresholds: Thresholds = DEFAULT, confirm: int = 3) -> None:
+        self.thresholds = thresholds
+        self.confirm = max(1, confirm)
+        self._current: dict[tuple[str, EngineKey], Advice] = {}
+        self._pending: dict[tuple[str, EngineKey], tuple[Action, int]] = {}
+
+    def update(self, target: str, inp: AdvisorInput) -> Advice:
+        key = (target, inp.derived.key)
+        fresh = evaluate(inp, self.thresholds)
+        current = self._current.get(key)
+        if (
+            current is None
+            or fresh.action == current.action
+            or fresh.action in URGENT
+            or current.action == Action.INSUFFICIENT_DATA
+        ):
+            self._pending.pop(key, None)
+            self._current[key] = fresh
+            return fresh
+        action, count = self._pending.get(key, (fresh.action, 0))
+        count = count + 1 if action == fresh.action else 1
+        self._pending[key] = (fresh.action, count)
+        if count >= self.confirm:
+            self._pending.pop(key, None)
+            self._current[key] = fresh
+            return fresh
+        # Keep the standing advice; refresh its numbers, say what is pending.
+        held = Advice(
+            current.action,
+            current.reason,
+            current.explanation,
+            current.recommended_buffer_bytes,
+            fresh.numbers,
+            fresh.action,
+        )
+        self._current[key] = held
+        return held
+
+    def forget_missing(self, present: set[tuple[str, EngineKey]]) -> None:
+        for key in [k for k in self._current if k not in present]:
+            self._current.pop(key, None)
+            self._pending.pop(key, None)
