@@ -13,8 +13,9 @@ from exporter.config import Config
 from exporter.logs import log_event
 from exporter.model.advisor.hysteresis import Advisor
 from exporter.model.advisor.types import Advice, AdvisorInput, MemoryState, PolicyPoint, WhatIfState
-from exporter.model.derive.backends import backend_families, with_peer_recompute
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_target
+from exporter.model.derive.peers import with_peer_recompute
+from exporter.render.backends import backend_families
 from exporter.render.collector import (
     advice_families,
     derived_families,

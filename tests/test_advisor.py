@@ -11,7 +11,8 @@ import pytest
 from exporter.model.advisor.hysteresis import Advisor
 from exporter.model.advisor.rules import evaluate
 from exporter.model.advisor.types import Action, AdvisorInput, MemoryState, WhatIfPoint, WhatIfState
-from exporter.model.derive.engines import DeriveSettings, EngineDerived, OffloadFit, derive_engine
+from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
+from exporter.model.derive.fits import OffloadFit
 from exporter.thresholds import DEFAULT
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
 from exporter.window import TargetWindow

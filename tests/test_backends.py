@@ -33,16 +33,14 @@ from bench.whatif_vs_observed import observed, open_text, read_text, windowed_hi
 from exporter import expfmt
 from exporter.catalogue import CATALOGUE
 from exporter.kvevents_codec import Message, read_records
+from exporter.lmcache import lmcache_samples
 from exporter.model.advisor.rules import evaluate
 from exporter.model.advisor.types import Action, AdvisorInput, PolicyPoint, WhatIfPoint, WhatIfState
-from exporter.model.derive.backends import (
-    backend_families,
-    lmcache_samples,
-    nixl_link_type,
-    with_peer_recompute,
-)
+from exporter.model.derive.backends import nixl_link_type
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
+from exporter.model.derive.peers import with_peer_recompute
 from exporter.model.whatif.simulator import blocks_for_bytes
+from exporter.render.backends import backend_families
 from exporter.sources.kv_events.source import (
     POLICY_COMBOS,
     KvEventsSettings,

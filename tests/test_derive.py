@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from exporter.model.derive.engines import DeriveSettings, derive_engine, prefill_fit
+from exporter.model.derive.engines import DeriveSettings, derive_engine
+from exporter.model.derive.fits import prefill_fit
 from exporter.vllm_metrics import EngineKey
 from tests.conftest import CPU, H200
 from tests.helpers import sample_from, window_of

@@ -14,8 +14,8 @@ import aiohttp
 
 from exporter import expfmt
 from exporter.catalogue import Family
+from exporter.lmcache import lmcache_samples
 from exporter.logs import log_event
-from exporter.model.derive.backends import lmcache_samples
 from exporter.sources import Clock, CollectError, ErrorKind, Health
 from exporter.vllm_metrics import DEFAULT_MAX_ENGINES, WANTED, normalise
 from exporter.window import TargetWindow

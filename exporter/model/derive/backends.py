@@ -22,77 +22,19 @@ Everything here is pure: windows and launch configurations in, values or None ou
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from exporter.catalogue import Family
-from exporter.expfmt import Sample
 from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import EngineKey, EngineSample
 from exporter.window import TargetWindow
 
 if TYPE_CHECKING:
-    from exporter.model.derive.engines import EngineDerived
+    pass
 
 NONE = "none"  # not applicable (no connector, a connector without a spec)
 UNKNOWN = "unknown"  # applicable but not observable (no command line, no series)
-
-# --- LMCache: onto vLLM's engine key -------------------------------------------------------
-
-LMCACHE_PREFIX = "lmcache:"
-LMCACHE_ENGINE = "0"
-# Gauges that are per-worker shares of one whole (bytes held): summed over workers.
-LMCACHE_SUMMED = frozenset({"lmcache:local_cache_usage"})
-
-
-def lmcache_samples(samples: Sequence[Sample]) -> list[Sample]:
-    """Replace `lmcache:*` samples with one sample per (served model, engine "0").
-
-    LMCache labels its series by worker (`worker_id`, `role`) and model, not by vLLM's DP
-    `engine`. Under tensor parallelism every worker counts the same tokens (each moves its
-    shard of the same prefix), so token counters and timings take the maximum over the
-    workers of a role, then add up the roles (lookups are counted by the scheduler role,
-    retrieves and stores by the workers); the bytes a worker holds are summed. The model
-    key is LMCache's `served_model_name`, else its `model_name`, which is what vLLM's own
-    `model_name` label holds. Non-LMCache samples pass through untouched.
-    """
-    if not any(s.name.startswith(LMCACHE_PREFIX) for s in samples):
-        return list(samples)
-    out: list[Sample] = []
-    per_role: dict[tuple[str, str, str], float] = {}  # (name, model, role) -> max
-    summed: dict[tuple[str, str], float] = {}
-    order: list[tuple[str, str]] = []
-    seen: set[tuple[str, str]] = set()
-    for s in samples:
-        if not s.name.startswith(LMCACHE_PREFIX):
-            out.append(s)
-            continue
-        if not math.isfinite(s.value):
-            continue
-        model = s.label("served_model_name") or s.label("model_name")
-        if not model:
-            continue
-        key = (s.name, model)
-        if key not in seen:
-            seen.add(key)
-            order.append(key)
-        if s.name in LMCACHE_SUMMED:
-            summed[key] = summed.get(key, 0.0) + s.value
-            continue
-        rk = (s.name, model, s.label("role") or "")
-        per_role[rk] = max(per_role.get(rk, -math.inf), s.value)
-    by_key: dict[tuple[str, str], float] = dict(summed)
-    for (name, model, _), v in per_role.items():
-        by_key[(name, model)] = by_key.get((name, model), 0.0) + v
-    for name, model in order:
-        value = by_key[(name, model)]
-        out.append(Sample(name, (("engine", LMCACHE_ENGINE), ("model_name", model)), value))
-    return out
-
-
-# --- what the engine runs ------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,113 +303,3 @@ def speedup(
     if recompute_negligible:
         return 0.0  # recompute costs nothing measurable per token: no transfer can win
     return None
-
-
-def with_peer_recompute(
-    derived: Mapping[str, Sequence[EngineDerived]],
-) -> dict[str, list[EngineDerived]]:
-    """Fill the NIXL speedup of engines that cannot measure their own recompute speed.
-
-    A decode engine of a disaggregated pair hardly prefills, so its marginal recompute
-    rate stays unknown; the prefill engine serving the same model measures it. An engine
-    without its own rate takes the fastest rate measured for the same model_name by any
-    engine of any target this exporter watches (the conservative choice: the speedup
-    against the fastest recompute is the smallest).
-    """
-    best: dict[str, float] = {}
-    negligible: set[str] = set()
-    for engines in derived.values():
-        for d in engines:
-            r = d.recompute_tokens_per_second
-            if r:
-                best[d.key.model_name] = max(best.get(d.key.model_name, 0.0), r)
-            elif d.recompute_negligible:
-                negligible.add(d.key.model_name)
-    out: dict[str, list[EngineDerived]] = {}
-    for target, engines in derived.items():
-        row = []
-        for item in engines:
-            d = item
-            b = d.backend
-            if (
-                b is not None
-                and b.nixl_tokens_per_second is not None
-                and b.nixl_speedup is None
-                and (d.key.model_name in best or d.key.model_name in negligible)
-            ):
-                s = speedup(
-                    b.nixl_tokens_per_second,
-                    best.get(d.key.model_name),
-                    d.key.model_name in negligible,
-                )
-                d = replace(d, backend=replace(b, nixl_speedup=s, recompute_from_peer=True))
-            row.append(d)
-        out[target] = row
-    return out
-
-
-# --- families ------------------------------------------------------------------------------
-
-
-def backend_families(per_target: Iterable[tuple[str, Sequence[EngineDerived]]]) -> list[Family]:
-    info = Family("kvoffload_offload_config_info")
-    tier_hit = Family("kvoffload_tier_hit_ratio")
-    tier_read = Family("kvoffload_tier_read_bandwidth_bytes_per_second")
-    tier_write = Family("kvoffload_tier_write_bandwidth_bytes_per_second")
-    tier_read_total = Family("kvoffload_tier_read_bytes_total")
-    tier_write_total = Family("kvoffload_tier_write_bytes_total")
-    simple_stored = Family("kvoffload_simple_offload_stored_ratio")
-    simple_dropped = Family("kvoffload_simple_offload_dropped_ratio")
-    lmc_retrieve = Family("kvoffload_lmcache_retrieve_tokens_per_second")
-    lmc_store = Family("kvoffload_lmcache_store_tokens_per_second")
-    nixl_bw = Family("kvoffload_nixl_transfer_bandwidth_bytes_per_second")
-    nixl_speed = Family("kvoffload_nixl_transfer_speedup_ratio")
-    nixl_failed = Family("kvoffload_nixl_failed_transfers_total")
-    nixl_link = Family("kvoffload_nixl_link_info")
-    for target, engines in per_target:
-        for d in engines:
-            b = d.backend
-            if b is None:
-                continue
-            labels = [target, d.key.model_name, d.key.engine]
-            info.add([*labels, *b.config.labels()], 1.0)
-            for t in b.tiers:
-                tl = [*labels, t.tier]
-                for fam, value in (
-                    (tier_hit, t.hit_ratio),
-                    (tier_read, t.read_bandwidth),
-                    (tier_write, t.write_bandwidth),
-                    (tier_read_total, t.read_bytes_total),
-                    (tier_write_total, t.write_bytes_total),
-                ):
-                    if value is not None:
-                        fam.add(tl, value)
-            for fam, value in (
-                (simple_stored, b.simple_stored_ratio),
-                (simple_dropped, b.simple_dropped_ratio),
-                (lmc_retrieve, b.lmcache_retrieve_tokens_per_second),
-                (lmc_store, b.lmcache_store_tokens_per_second),
-                (nixl_bw, b.nixl_bandwidth),
-                (nixl_speed, b.nixl_speedup),
-                (nixl_failed, b.nixl_failed_total),
-            ):
-                if value is not None:
-                    fam.add(labels, value)
-            if b.nixl_in_use:
-                nixl_link.add([*labels, b.nixl_link], 1.0)
-    return [
-        info,
-        tier_hit,
-        tier_read,
-        tier_write,
-        tier_read_total,
-        tier_write_total,
-        simple_stored,
-        simple_dropped,
-        lmc_retrieve,
-        lmc_store,
-        nixl_bw,
-        nixl_speed,
-        nixl_failed,
-        nixl_link,
-    ]

@@ -1,0 +1,276 @@
+"""Least-squares fits over scrape intervals: the marginal cost of a prefilled token, and the
+TTFT cost of a loaded against a computed token, with standard errors (pure arithmetic)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFit:
+    """prefill_seconds = overhead * requests + seconds_per_token * computed_tokens."""
+
+    overhead_seconds: float
+    seconds_per_token: float
+    points: int
+    r2: float
+    stderr: float | None = None  # standard error of seconds_per_token
+
+    @property
+    def significant(self) -> bool:
+        """The per-token cost is distinguishable from zero (about 95%)."""
+        return self.stderr is not None and self.seconds_per_token - 2 * self.stderr > 0
+
+    @property
+    def upper(self) -> float | None:
+        """Upper end of the per-token cost's ~95% interval."""
+        return None if self.stderr is None else self.seconds_per_token + 2 * self.stderr
+
+
+def _lstsq(columns: list[list[float]], y: list[float], min_det: float) -> list[float] | None:
+    """Least squares without intercept; None when the columns are (nearly) collinear.
+
+    Columns are scaled to unit norm first, so `min_det` bounds the determinant of a
+    correlation-like Gram matrix: 1 for orthogonal regressors, 0 for collinear ones.
+    """
+    k = len(columns)
+    norms = [math.sqrt(sum(v * v for v in col)) for col in columns]
+    if any(n <= 0 for n in norms):
+        return None
+    cols = [[v / n for v in col] for col, n in zip(columns, norms, strict=True)]
+    gram = [[sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols] for ci in cols]
+    rhs = [sum(a * b for a, b in zip(ci, y, strict=True)) for ci in cols]
+    m = [[*row, r] for row, r in zip(gram, rhs, strict=True)]
+    det = 1.0
+    for i in range(k):
+        pivot = max(range(i, k), key=lambda r: abs(m[r][i]))
+        if abs(m[pivot][i]) < 1e-12:
+            return None
+        if pivot != i:
+            m[i], m[pivot] = m[pivot], m[i]
+            det = -det
+        det *= m[i][i]
+        for r in range(i + 1, k):
+            f = m[r][i] / m[i][i]
+            for c in range(i, k + 1):
+                m[r][c] -= f * m[i][c]
+    if abs(det) < min_det:
+        return None
+    coef = [0.0] * k
+    for i in reversed(range(k)):
+        coef[i] = (m[i][k] - sum(m[i][c] * coef[c] for c in range(i + 1, k))) / m[i][i]
+    return [c / n for c, n in zip(coef, norms, strict=True)]
+
+
+def _inverse_gram(columns: list[list[float]]) -> list[list[float]] | None:
+    """(X^T X)^-1 by Gauss-Jordan on the unit-norm Gram matrix, then unscaled."""
+    k = len(columns)
+    norms = [math.sqrt(sum(v * v for v in col)) for col in columns]
+    if any(n <= 0 for n in norms):
+        return None
+    cols = [[v / n for v in col] for col, n in zip(columns, norms, strict=True)]
+    m = [
+        [sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols]
+        + [1.0 if i == j else 0.0 for j in range(k)]
+        for i, ci in enumerate(cols)
+    ]
+    for i in range(k):
+        pivot = max(range(i, k), key=lambda r: abs(m[r][i]))
+        if abs(m[pivot][i]) < 1e-12:
+            return None
+        m[i], m[pivot] = m[pivot], m[i]
+        p = m[i][i]
+        m[i] = [v / p for v in m[i]]
+        for r in range(k):
+            if r != i and m[r][i] != 0.0:
+                f = m[r][i]
+                m[r] = [a - f * b for a, b in zip(m[r], m[i], strict=True)]
+    return [[m[i][k + j] / (norms[i] * norms[j]) for j in range(k)] for i in range(k)]
+
+
+def _covariance(
+    columns: list[list[float]], y: list[float], coef: list[float]
+) -> list[list[float]] | None:
+    """Covariance of the least-squares coefficients: sigma^2 (X^T X)^-1."""
+    n, k = len(y), len(columns)
+    if n <= k:
+        return None
+    ss_res = sum(
+        (yi - sum(c * col[i] for c, col in zip(coef, columns, strict=True))) ** 2
+        for i, yi in enumerate(y)
+    )
+    inv = _inverse_gram(columns)
+    if inv is None:
+        return None
+    sigma2 = ss_res / (n - k)
+    return [[sigma2 * v for v in row] for row in inv]
+
+
+def _robust_lstsq(
+    columns: list[list[float]], y: list[float], min_det: float
+) -> tuple[list[float], list[list[float]], list[float]] | None:
+    """Least squares, then once more without outliers (beyond 4 robust sigmas).
+
+    A scrape interval that caught a warm-up request or a compile stall would otherwise
+    drag the whole fit; the median absolute deviation is not moved by a few of them.
+    """
+    coef = _lstsq(columns, y, min_det)
+    if coef is None:
+        return None
+    res = [
+        yi - sum(c * col[i] for c, col in zip(coef, columns, strict=True)) for i, yi in enumerate(y)
+    ]
+    mad = sorted(abs(r) for r in res)[len(res) // 2] * 1.4826
+    if mad <= 0:
+        return coef, columns, y
+    keep = [i for i, r in enumerate(res) if abs(r) <= 4 * mad]
+    if len(keep) == len(y) or len(keep) < len(columns) + 2:
+        return coef, columns, y
+    cols2 = [[col[i] for i in keep] for col in columns]
+    y2 = [y[i] for i in keep]
+    coef2 = _lstsq(cols2, y2, min_det)
+    return (coef2, cols2, y2) if coef2 is not None else (coef, columns, y)
+
+
+def _r2(columns: list[list[float]], y: list[float], coef: list[float]) -> float:
+    syy = sum(v * v for v in y)
+    res = sum(
+        (yi - sum(c * col[i] for c, col in zip(coef, columns, strict=True))) ** 2
+        for i, yi in enumerate(y)
+    )
+    return max(0.0, 1.0 - res / syy) if syy > 0 else 0.0
+
+
+def prefill_fit(points: list[tuple[float, ...]], min_points: int) -> PrefillFit | None:
+    """Least squares of prefill seconds on (requests, computed tokens) per interval.
+
+    The average tokens/s of a window mixes a fixed per-request cost (scheduling,
+    sampling, kernel launches) with the per-token cost; only the per-token part is
+    what a reload saves, so break-even needs the slope, not the average.
+    """
+    pts = [(n, t, y) for n, t, y in points if n > 0 and t >= 0 and y >= 0]
+    if len(pts) < min_points:
+        return None
+    n = [p[0] for p in pts]
+    t = [p[1] for p in pts]
+    y = [p[2] for p in pts]
+    # Requests and tokens moving in lockstep (every request the same size) leave the
+    # two costs inseparable; say so instead of returning a number.
+    fitted = _robust_lstsq([n, t], y, 1e-3)
+    if fitted is None:
+        return None
+    (a, b), cols, yy = fitted
+    if a < 0:
+        tt = cols[1]
+        stt = sum(v * v for v in tt)
+        if stt <= 0:
+            return None
+        a, b = 0.0, sum(ti * yi for ti, yi in zip(tt, yy, strict=True)) / stt
+        cov = _covariance([tt], yy, [b])
+        stderr = math.sqrt(cov[0][0]) if cov is not None and cov[0][0] >= 0 else None
+    else:
+        cov = _covariance(cols, yy, [a, b])
+        stderr = math.sqrt(cov[1][1]) if cov is not None and cov[1][1] >= 0 else None
+    # b <= 0 is kept: a per-token cost below the noise can itself be the finding, when even
+    # its upper bound is below what a reload costs (derive_engine decides).
+    return PrefillFit(a, b, len(yy), _r2(cols, yy, [a, b]), stderr)
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadFit:
+    """ttft = overhead * requests + computed_cost * computed + loaded_cost * loaded tokens.
+
+    vLLM's load-time counter is GPU copy time only; what a reload really costs a request
+    (waiting a scheduler step for the async load, lookups, the copy) shows in TTFT. The
+    difference of the two per-token costs is what offload saves per loaded token.
+    """
+
+    overhead_seconds: float
+    computed_seconds_per_token: float
+    loaded_seconds_per_token: float
+    points: int
+    r2: float
+    saving_stderr: float | None = None  # standard error of the saving per token
+    computed_stderr: float | None = None
+    loaded_stderr: float | None = None
+
+    @property
+    def valid(self) -> bool:
+        """Physically meaningful: recomputing costs something, loading does not cost
+        significantly less than nothing. Near-collinear windows fail this."""
+        if self.loaded_stderr is None:
+            return False
+        return (
+            self.computed_seconds_per_token > 0
+            and self.loaded_seconds_per_token + 2 * self.loaded_stderr >= 0
+        )
+
+    def speedup_bounds(self, z: float = 2.0) -> tuple[float, float] | None:
+        """Approximate interval of recompute cost / reload cost (upper may be infinite)."""
+        if self.computed_stderr is None or self.loaded_stderr is None:
+            return None
+        b, c = self.computed_seconds_per_token, self.loaded_seconds_per_token
+        b_lo, b_hi = max(b - z * self.computed_stderr, 0.0), b + z * self.computed_stderr
+        c_lo, c_hi = c - z * self.loaded_stderr, c + z * self.loaded_stderr
+        lo = b_lo / c_hi if c_hi > 0 else math.inf
+        hi = b_hi / c_lo if c_lo > 0 else math.inf
+        return lo, hi
+
+    @property
+    def proves_gain(self) -> bool:
+        """The saving per loaded token is positive beyond doubt (~95%)."""
+        bounds = self.saving_bounds()
+        return (
+            self.valid
+            and self.computed_stderr is not None
+            and self.computed_seconds_per_token - 2 * self.computed_stderr > 0
+            and bounds is not None
+            and bounds[0] > 0
+        )
+
+    @property
+    def reload_significantly_costly(self) -> bool:
+        """A loaded token costs TTFT, beyond doubt."""
+        return (
+            self.loaded_stderr is not None
+            and self.loaded_seconds_per_token - 2 * self.loaded_stderr > 0
+        )
+
+    @property
+    def saving_seconds_per_token(self) -> float:
+        return self.computed_seconds_per_token - self.loaded_seconds_per_token
+
+    @property
+    def measured_speedup(self) -> float | None:
+        """Recompute cost over reload cost per token, both as TTFT sees them; None when the
+        fit is not valid or a reload costs nothing measurable (unbounded)."""
+        if not self.valid or self.loaded_seconds_per_token <= 0:
+            return None
+        return self.computed_seconds_per_token / self.loaded_seconds_per_token
+
+    def saving_bounds(self, z: float = 2.0) -> tuple[float, float] | None:
+        """Approximate 95% interval of the saving per token; None without an error estimate."""
+        if self.saving_stderr is None:
+            return None
+        s = self.saving_seconds_per_token
+        return s - z * self.saving_stderr, s + z * self.saving_stderr
+
+
+def offload_fit(points: list[tuple[float, ...]], min_points: int) -> OffloadFit | None:
+    """Fit TTFT per interval on (requests, computed tokens, loaded tokens)."""
+    pts = [p for p in points if p[0] > 0 and min(p) >= 0]
+    if len(pts) < min_points or not any(p[2] > 0 for p in pts):
+        return None
+    fitted = _robust_lstsq([[p[i] for p in pts] for i in range(3)], [p[3] for p in pts], 1e-4)
+    if fitted is None:
+        return None
+    coef, cols, y = fitted
+    cov = _covariance(cols, y, coef)
+    stderr = se_b = se_c = None
+    if cov is not None:
+        var = cov[1][1] + cov[2][2] - 2 * cov[1][2]
+        stderr = math.sqrt(var) if var >= 0 else None
+        se_b = math.sqrt(cov[1][1]) if cov[1][1] >= 0 else None
+        se_c = math.sqrt(cov[2][2]) if cov[2][2] >= 0 else None
+    return OffloadFit(coef[0], coef[1], coef[2], len(y), _r2(cols, y, coef), stderr, se_b, se_c)
