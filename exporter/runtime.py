@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import platform
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from exporter import __version__
 from exporter.catalogue import Family
 from exporter.config import Config
 from exporter.logs import log_event
@@ -15,14 +17,12 @@ from exporter.model.advisor.hysteresis import Advisor
 from exporter.model.advisor.types import Advice, AdvisorInput, MemoryState, PolicyPoint, WhatIfState
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_target
 from exporter.model.derive.peers import with_peer_recompute
+from exporter.render.advice import advice_families
 from exporter.render.backends import backend_families
-from exporter.render.collector import (
-    advice_families,
-    derived_families,
-    render,
-    self_families,
-)
+from exporter.render.derived import derived_families
 from exporter.render.exposition import Exposition
+from exporter.render.self_metrics import self_families
+from exporter.render.targets import target_families
 from exporter.sources import Clock, Source, execute
 from exporter.sources.cgroup import CgroupSource
 from exporter.sources.kv_events.source import kv_event_sources
@@ -88,7 +88,7 @@ class Exporter:
         self.derived: dict[str, list[EngineDerived]] = {}
         self.advisor = Advisor(cfg.thresholds, confirm=cfg.advice_confirm_cycles)
         self.advice: dict[str, list[tuple[EngineKey, Advice]]] = {}
-        self.exposition: Exposition = render(self_families(cfg.window, self.sources))
+        self.exposition = Exposition(self._self_families())
         self.cycles = 0
         self.last_cycle: float | None = None
         self.started = False
@@ -142,7 +142,7 @@ class Exporter:
         # A decode engine (NIXL) takes the recompute rate of a prefill engine of its model.
         self.derived = with_peer_recompute(derived)
         self.advise()
-        self.exposition = render(self.families())
+        self.exposition = Exposition(self.families())
         self.cycles += 1
         self.last_cycle = now
 
@@ -191,10 +191,17 @@ class Exporter:
         self.advisor.forget_missing(present)
         self.advice = out
 
+    def _self_families(self) -> list[Family]:
+        states = [s.health.state() for s in self.sources if not isinstance(s, VllmTarget)]
+        return list(self_families(__version__, platform.python_version(), self.cfg.window, states))
+
     def families(self) -> list[Family]:
-        out = list(self_families(self.cfg.window, self.sources))
+        out = self._self_families()
         for src in self.sources:
-            out.extend(src.families())
+            if isinstance(src, VllmTarget):
+                out.extend(target_families(src.snapshot()))
+            else:
+                out.extend(src.families())  # type: ignore[attr-defined]  # SHIM(issue 14)
         out.extend(derived_families(self.derived.items(), self.covered_seconds()))
         out.extend(advice_families(self.advice.items()))
         out.extend(backend_families(self.derived.items()))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -57,6 +57,7 @@ class SourceState:
     duration: float | None
     error_kind: ErrorKind | None
     error: str | None
+    errors_total: Mapping[ErrorKind, int]
 
 
 class Health:
@@ -114,6 +115,7 @@ class Health:
             duration=self.duration,
             error_kind=self.error_kind,
             error=self.error,
+            errors_total=dict(self.errors_total),
         )
 
 
@@ -128,7 +130,7 @@ class Source(Protocol):
 
     async def collect(self) -> None: ...
 
-    def families(self) -> Iterable[Family]: ...
+    def snapshot(self) -> object | None: ...
 
 
 async def execute(source: Source, timeout: float) -> bool:

@@ -16,7 +16,7 @@ from exporter import expfmt
 from exporter.catalogue import Family
 from exporter.lmcache import lmcache_samples
 from exporter.logs import log_event
-from exporter.sources import Clock, CollectError, ErrorKind, Health
+from exporter.sources import Clock, CollectError, ErrorKind, Health, SourceState
 from exporter.vllm_metrics import DEFAULT_MAX_ENGINES, WANTED, normalise
 from exporter.window import TargetWindow
 
@@ -66,6 +66,18 @@ class TargetConfig:
 def _parse(body: bytes) -> list[expfmt.Sample]:
     """The wanted samples of a /metrics body, LMCache's series onto vLLM's engine key."""
     return lmcache_samples(expfmt.parse(body.decode("utf-8"), WANTED))
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSnapshot:
+    """One vLLM target after a collection. The window is the live one (it only grows at the
+    next collect(), which the runtime does not overlap with reading it)."""
+
+    config: TargetConfig
+    window: TargetWindow
+    version: str | None
+    series_dropped_total: int
+    health: SourceState
 
 
 class VllmTarget:
@@ -213,33 +225,12 @@ class VllmTarget:
         except (CollectError, TimeoutError, ValueError, AttributeError):
             self.version = None
 
-    def families(self) -> Iterable[Family]:
-        label = self.config.label
-        h = self.health
-        up = Family("kvoffload_target_up")
-        up.add([label], 1.0 if h.up else 0.0)
-        yield up
-        if h.duration is not None:
-            dur = Family("kvoffload_target_scrape_duration_seconds")
-            dur.add([label], h.duration)
-            yield dur
-        failures = Family("kvoffload_target_scrape_failures_total")
-        for kind in TARGET_FAILURE_REASONS:
-            failures.add([label, str(kind)], h.errors_total.get(kind, 0))
-        yield failures
-        if h.last_success is not None:
-            last = Family("kvoffload_target_last_success_timestamp_seconds")
-            last.add([label], h.last_success)
-            yield last
-        resets = Family("kvoffload_target_resets_total")
-        resets.add([label], h.errors_total.get(ErrorKind.COUNTER_RESET, 0))
-        yield resets
-        dropped = Family("kvoffload_target_series_dropped_total")
-        dropped.add([label], self.series_dropped_total)
-        yield dropped
-        covered = Family("kvoffload_target_window_covered_seconds")
-        covered.add([label], self.window.covered_seconds())
-        yield covered
-        info = Family("kvoffload_target_info")
-        info.add([label, self.config.url, self.version or "unknown"], 1.0)
-        yield info
+    def snapshot(self) -> TargetSnapshot:
+        """What this target's last scrapes left: the window and what was learnt on the way."""
+        return TargetSnapshot(
+            config=self.config,
+            window=self.window,
+            version=self.version,
+            series_dropped_total=self.series_dropped_total,
+            health=self.health.state(),
+        )

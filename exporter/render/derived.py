@@ -1,50 +1,11 @@
-"""The one collector: source states and derivations -> metric families -> cached exposition.
-
-Rendering happens once per collection cycle, on the event loop, from memory only;
-/metrics serves the cached bytes, so a scrape never waits on vLLM or NVML.
-"""
+"""Families of the derived values: ratios, rates, fits and re-exported offload counters."""
 
 from __future__ import annotations
 
-import platform
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from exporter import __version__
 from exporter.catalogue import Family
-from exporter.model.advisor.types import Action, Advice
 from exporter.model.derive.engines import EngineDerived
-from exporter.render.exposition import Exposition
-from exporter.sources import ErrorKind, Source
-from exporter.sources.vllm_http import VllmTarget
-from exporter.vllm_metrics import EngineKey
-
-COLLECTOR_ERROR_KINDS = tuple(ErrorKind)
-
-
-def self_families(window_seconds: float, sources: Sequence[Source]) -> Iterator[Family]:
-    info = Family("kvoffload_build_info")
-    info.add([__version__, platform.python_version()], 1)
-    yield info
-    win = Family("kvoffload_window_seconds")
-    win.add([], window_seconds)
-    yield win
-    up = Family("kvoffload_collector_up")
-    dur = Family("kvoffload_collector_duration_seconds")
-    last = Family("kvoffload_collector_last_success_timestamp_seconds")
-    errs = Family("kvoffload_collector_errors_total")
-    for src in sources:
-        if isinstance(src, VllmTarget):
-            continue  # targets report through kvoffload_target_*
-        h = src.health
-        up.add([src.name], 1.0 if h.up else 0.0)
-        if h.duration is not None:
-            dur.add([src.name], h.duration)
-        if h.last_success is not None:
-            last.add([src.name], h.last_success)
-        for kind in COLLECTOR_ERROR_KINDS:
-            errs.add([src.name, str(kind)], h.errors_total.get(kind, 0))
-    yield from (up, dur, last, errs)
-
 
 # (metric name, attribute of EngineDerived) for plain optional gauges.
 _DERIVED_GAUGES: tuple[tuple[str, str], ...] = (
@@ -127,24 +88,3 @@ def derived_families(
         saving,
         saved_rate,
     ]
-
-
-def advice_families(
-    per_target: Iterable[tuple[str, Sequence[tuple[EngineKey, Advice]]]],
-) -> list[Family]:
-    state = Family("kvoffload_advice")
-    recommended = Family("kvoffload_advice_recommended_buffer_bytes")
-    info = Family("kvoffload_advice_info")
-    for target, items in per_target:
-        for key, advice in items:
-            labels = [target, key.model_name, key.engine]
-            for action in Action:
-                state.add([*labels, str(action)], 1.0 if action == advice.action else 0.0)
-            if advice.recommended_buffer_bytes is not None:
-                recommended.add(labels, advice.recommended_buffer_bytes)
-            info.add([*labels, str(advice.action), advice.reason], 1.0)
-    return [state, recommended, info]
-
-
-def render(families: Iterable[Family]) -> Exposition:
-    return Exposition(families)
