@@ -35,7 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from exporter.sources.nvml.source import GpuSnapshot, NvmlSource, PynvmlApi  # noqa: E402
+from exporter.sources.nvml.library import PynvmlApi  # noqa: E402
+from exporter.sources.nvml.poller import GpuSnapshot  # noqa: E402
+from exporter.sources.nvml.source import NvmlSource  # noqa: E402
 from exporter.sources.procfs.source import ProcfsSource  # noqa: E402
 
 GIB = 1 << 30

@@ -27,16 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from exporter.sources.nvml.source import (  # noqa: E402
-    NvmlApi,
-    NvmlPoller,
-    PynvmlApi,
-    max_poll_gap,
-)
+from exporter.sources.nvml.library import NvmlApi, PynvmlApi  # noqa: E402
+from exporter.sources.nvml.poller import NvmlPoller, max_poll_gap  # noqa: E402
 
 
 def fake_api() -> NvmlApi:
-    from tests.test_nvml import RecordedGpu, RecordedNvml, load_fast
+    from tests.nvml_doubles import RecordedGpu, RecordedNvml, load_fast
 
     return RecordedNvml([RecordedGpu(rows=load_fast("b_offload"))])
 

@@ -11,23 +11,24 @@ from dataclasses import replace
 from pathlib import Path
 
 import msgspec
+import zmq
 
 from exporter.config import Config
+from exporter.options import TargetConfig
 from exporter.runtime import Exporter
 from exporter.sources.cgroup import CgroupSource
 from exporter.sources.kv_events import (
     KvEventsSettings,
     KvEventsSource,
     Receiver,
-    StreamSpec,
     Simulator,
+    StreamSpec,
 )
-from exporter.sources.nvml import NvmlSource
+from exporter.sources.nvml.source import NvmlSource
 from exporter.sources.procfs import ProcfsSource
-from exporter.sources.vllm_http import TargetConfig, VllmTarget
-from tests.test_nvml import FakeClock, RecordedGpu, RecordedNvml, load_fast
+from exporter.sources.vllm_http import VllmTarget
+from tests.nvml_doubles import FakeClock, RecordedGpu, RecordedNvml, load_fast
 from tests.test_procfs import CGROUP, build_proc, recorded_statvfs
-import zmq
 
 HERE = Path(__file__).parent / "fixtures"
 import os

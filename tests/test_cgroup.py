@@ -20,7 +20,7 @@ from exporter.sources.cgroup import (
     read_v1,
     read_v2,
 )
-from tests.test_nvml import series
+from tests.nvml_doubles import series
 from tests.test_procfs import API, VLLM_CGROUP, build_proc, source
 
 CGROUP = Path(__file__).parent / "fixtures" / "cgroup"

@@ -48,7 +48,7 @@ from exporter.model.advisor.types import Action, Advice, AdvisorInput, MemorySta
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
 from exporter.model.whatif.simulator import blocks_for_bytes
 from exporter.sources.kv_events.source import KvEventsSettings, KvEventsSource, Simulator
-from exporter.sources.nvml.source import WrapCounter, link_bandwidth_bytes, max_poll_gap
+from exporter.sources.nvml.poller import WrapCounter, link_bandwidth_bytes, max_poll_gap
 from exporter.sources.procfs.source import offload_pool, parse_smaps, parse_status
 from exporter.thresholds import DEFAULT, Thresholds
 from testbed.replay import ReplayServer, Reply
@@ -225,7 +225,8 @@ def _configured_kv_bytes_per_token(run: Run) -> float | None:
 
 
 async def _replay(run: Run, th: Thresholds, until: float | None, kv_override: bool) -> list[Cycle]:
-    from exporter.sources.vllm_http import TargetConfig, VllmTarget
+    from exporter.options import TargetConfig
+    from exporter.sources.vllm_http import VllmTarget
 
     scrapes = [s for s in run.scrapes("vllm_metrics") if until is None or s["t"] <= until]
     now = [0.0]

@@ -20,6 +20,7 @@ import pytest
 
 from exporter.config import Config
 from exporter.model.derive.engines import DeriveSettings, derive_target
+from exporter.options import TargetConfig
 from exporter.runtime import Exporter, build_sources
 from exporter.server import make_app
 from exporter.sources import CollectError, ErrorKind, execute
@@ -47,11 +48,11 @@ from exporter.sources.procfs.source import (
     role_of,
     url_port,
 )
-from exporter.sources.vllm_http import TargetConfig, VllmTarget
+from exporter.sources.vllm_http import VllmTarget
 from testbed.replay import ReplayServer, files
 from tests.exporter_harness import sample_value
 from tests.helpers import sample_from, window_of
-from tests.test_nvml import FakeClock, RecordedGpu, RecordedNvml, load_fast, series
+from tests.nvml_doubles import FakeClock, RecordedGpu, RecordedNvml, load_fast, series
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUNS = FIXTURES / "vllm-0.26.0-h200"

@@ -1,6 +1,6 @@
 """Fault matrix, NVML, at the exporter level: the GPU collector failing or missing must not
 touch the vLLM target or /metrics. The NVML side runs the NVML collector's recorded H200
-sequence fake (tests/test_nvml.py) in its real poller thread; the exporter serves over a
+sequence fake (tests/nvml_doubles.py) in its real poller thread; the exporter serves over a
 real 127.0.0.1 socket and scrapes a real HTTP endpoint.
 """
 
@@ -11,12 +11,13 @@ from collections.abc import Callable
 
 from exporter.runtime import Exporter
 from exporter.server import make_app
-from exporter.sources.nvml.source import GPU_IS_LOST, LIBRARY_NOT_FOUND, NvmlSource
+from exporter.sources.nvml.library import GPU_IS_LOST, LIBRARY_NOT_FOUND
+from exporter.sources.nvml.source import NvmlSource
 from exporter.sources.vllm_http import VllmTarget
 from testbed.replay import ReplayServer, Reply
 from tests.conftest import CPU
 from tests.exporter_harness import config, sample_value
-from tests.test_nvml import RecordedGpu, RecordedNvml, load_fast
+from tests.nvml_doubles import RecordedGpu, RecordedNvml, load_fast
 
 GOOD = (CPU / "metrics-after.prom").read_bytes()
 
