@@ -16,8 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from exporter.catalogue import Family
 from exporter.config import Config
+from exporter.options import TargetConfig
 from exporter.runtime import Exporter, build_sources
-from exporter.sources.vllm_http import TargetConfig
 
 
 def to_client_families(families: Iterable[Family]) -> list[Metric]:

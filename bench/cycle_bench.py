@@ -27,10 +27,10 @@ from dataclasses import replace
 from bench.common import median, table
 from exporter import expfmt
 from exporter.config import Config
+from exporter.options import TargetConfig
 from exporter.render.exposition import OPENMETRICS
 from exporter.runtime import Exporter, build_sources
 from exporter.sources.nvml.source import NvmlSource
-from exporter.sources.vllm_http import TargetConfig
 from testbed.procs import free_port, start, stop, wait_http
 
 

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from exporter.sources.vllm_http import TargetConfig
+from exporter.options import Option, TargetConfig
 from exporter.thresholds import DEFAULT as DEFAULT_THRESHOLDS
 from exporter.thresholds import Thresholds
 from exporter.webconfig import WebConfigError, load_web_config
@@ -78,24 +78,6 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not 0 <= number <= 65535:
         raise ValueError(f"--listen {text!r}: port out of range")
     return host.strip("[]") or "0.0.0.0", number
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    flag: str  # --flag name without dashes
-    kind: str  # str | float | int | bool | bytes | list | bytes_list
-    default: Any
-    help: str
-    metavar: str | None = None
-    choices: tuple[str, ...] | None = None
-
-    @property
-    def key(self) -> str:
-        return self.flag.replace("-", "_").replace(".", "_")
-
-    @property
-    def env(self) -> str:
-        return "KVOE_" + self.key.upper()
 
 
 OPTIONS: tuple[Option, ...] = (

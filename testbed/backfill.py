@@ -158,8 +158,8 @@ async def _run_exporter(
     configure: Callable[[Config], Config] | None,
 ) -> Series:
     from exporter.config import Config
+    from exporter.options import TargetConfig
     from exporter.runtime import Exporter, build_sources
-    from exporter.sources.vllm_http import TargetConfig
 
     times = sorted({ts for r in recordings for ts, _ in r.scrapes})
     now = [times[0]]

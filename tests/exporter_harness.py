@@ -9,9 +9,9 @@ from dataclasses import replace
 from aiohttp.test_utils import TestClient, TestServer
 
 from exporter.config import Config
+from exporter.options import TargetConfig
 from exporter.runtime import Exporter, build_sources
 from exporter.server import make_app
-from exporter.sources.vllm_http import TargetConfig
 
 
 def config(*urls: str, **kw: object) -> Config:

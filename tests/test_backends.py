@@ -40,6 +40,7 @@ from exporter.model.derive.backends import nixl_link_type
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
 from exporter.model.derive.peers import with_peer_recompute
 from exporter.model.whatif.simulator import blocks_for_bytes
+from exporter.options import TargetConfig
 from exporter.render.backends import backend_families
 from exporter.sources.kv_events.source import (
     POLICY_COMBOS,
@@ -49,7 +50,7 @@ from exporter.sources.kv_events.source import (
     Simulator,
     _EngineSim,
 )
-from exporter.sources.vllm_http import TargetConfig, VllmTarget
+from exporter.sources.vllm_http import VllmTarget
 from exporter.thresholds import DEFAULT
 from exporter.vllm_cmdline import LaunchConfig, launch_config, parse_environ
 from exporter.vllm_metrics import WANTED, EngineKey, normalise

@@ -6,18 +6,16 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from exporter import expfmt
-from exporter.catalogue import Family
 from exporter.lmcache import lmcache_samples
 from exporter.logs import log_event
+from exporter.options import TargetConfig
 from exporter.sources import Clock, CollectError, ErrorKind, Health, SourceState
-from exporter.vllm_metrics import DEFAULT_MAX_ENGINES, WANTED, normalise
+from exporter.vllm_metrics import WANTED, normalise
 from exporter.window import TargetWindow
 
 log = logging.getLogger("kvoe.vllm")
@@ -32,35 +30,6 @@ TARGET_FAILURE_REASONS = (
     ErrorKind.INVALID_VALUE,
     ErrorKind.INTERNAL,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class TargetConfig:
-    url: str
-    name: str = ""
-    pid: int | None = None
-    kv_bytes_per_token: float | None = None
-    max_engines: int = DEFAULT_MAX_ENGINES  # engine label sets kept per scrape
-
-    @property
-    def label(self) -> str:
-        """The `target` label: the configured name, else host:port like Prometheus' instance."""
-        if self.name:
-            return self.name
-        parts = urlsplit(self.url)
-        return parts.netloc or self.url
-
-    @property
-    def metrics_url(self) -> str:
-        parts = urlsplit(self.url)
-        if parts.path and parts.path not in ("", "/"):
-            return self.url
-        return self.url.rstrip("/") + "/metrics"
-
-    @property
-    def base_url(self) -> str:
-        parts = urlsplit(self.url)
-        return f"{parts.scheme}://{parts.netloc}"
 
 
 def _parse(body: bytes) -> list[expfmt.Sample]:
