@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from exporter.model.advisor.types import Action
 from exporter.thresholds import DEFAULT, Thresholds
 
 BY = "job, instance, model_name, engine"
@@ -219,11 +220,13 @@ def _recommended() -> str:
 
 
 def alerts(th: Thresholds = DEFAULT) -> list[Alert]:
-    advice = 'kvoffload_advice{{action="{}"}} == 1'
+    def advice(action: Action) -> str:
+        return f'kvoffload_advice{{action="{action.value}"}} == 1'
+
     return [
         Alert(
             "OffloadRecommended",
-            advice.format("enable_offload"),
+            advice(Action.ENABLE_OFFLOAD),
             "30m",
             "info",
             f"Enable CPU KV offload on {ENGINE}",
@@ -233,7 +236,7 @@ def alerts(th: Thresholds = DEFAULT) -> list[Alert]:
         ),
         Alert(
             "OffloadNotPayingOff",
-            advice.format("disable_offload"),
+            advice(Action.DISABLE_OFFLOAD),
             "30m",
             "warning",
             f"CPU KV offload is not paying off on {ENGINE}",
@@ -243,7 +246,7 @@ def alerts(th: Thresholds = DEFAULT) -> list[Alert]:
         ),
         Alert(
             "OffloadBufferTooSmall",
-            advice.format("grow_buffer"),
+            advice(Action.GROW_BUFFER),
             "30m",
             "info",
             f"CPU KV offload buffer too small on {ENGINE}",

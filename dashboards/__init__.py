@@ -1,7 +1,9 @@
 """Grafana dashboards generated from code (grafana-foundation-sdk==0.0.21).
 
+Metric names come from exporter/catalogue.csv (the exporter's) and exporter/vllm_metrics.py
+SERIES (vLLM's); advice actions from exporter/model/advisor/types.py.
+
 spec.py      the panel-spec layer: Panel, Row, Dashboard, Query, scenarios, selectors
-vllm_names.py vLLM series the dashboards may use (the exporter's own come from the catalogue)
 panels.py    the three dashboards as data, and the PENDING list
 build.py     spec -> SDK builders -> JSON; fails loudly on unknown metric names
 validate.py  strict validation against the Grafana JSON schemas in dashboards/schemas/

@@ -1,7 +1,7 @@
 """Spec -> grafana-foundation-sdk builders -> dashboard JSON.
 
 Names are checked before anything is built: an exporter name missing from
-exporter/catalogue.csv, or a vLLM name missing from dashboards/vllm_names.py, fails
+exporter/catalogue.csv, or a vLLM name missing from exporter/vllm_metrics.py SERIES, fails
 the generator unless the panel is listed in panels.PENDING (then it is skipped with
 a warning).
 """
@@ -25,8 +25,8 @@ from grafana_foundation_sdk.models import prometheus as pm
 
 from dashboards import panels
 from dashboards.spec import Color, Dashboard, Panel, Query, Step, Variable
-from dashboards.vllm_names import family_of
 from exporter.catalogue import CATALOGUE, MetricDef
+from exporter.vllm_metrics import family_of
 
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 GRID_WIDTH = 24
@@ -68,7 +68,10 @@ def select(
         missing = unknown_names(panel.metrics, catalogue)
         vllm_missing = {n for n in missing if n.startswith("vllm:")}
         if vllm_missing:
-            errors.append(f"{panel.key}: vLLM names not in vllm_names.py: {sorted(vllm_missing)}")
+            errors.append(
+                f"{panel.key}: vLLM names not in exporter/vllm_metrics.py SERIES: "
+                f"{sorted(vllm_missing)}"
+            )
         elif missing and panel.key in pending:
             sel.skipped[panel.key] = missing
             sel.waiting_for[panel.key] = pending[panel.key]
@@ -84,6 +87,17 @@ def select(
     if errors:
         raise GeneratorError(f"dashboard {dash.uid}:\n  " + "\n  ".join(errors))
     return sel
+
+
+def vllm_series(
+    dashboards: Iterable[Dashboard] = panels.DASHBOARDS,
+    variables: Iterable[Variable] = panels.VARIABLES,
+) -> frozenset[str]:
+    """The exporter/vllm_metrics.py SERIES entries the dashboards query (families, not the
+    _bucket/_sum/_count samples); unknown names are select()'s error, left out here."""
+    names = {n for d in dashboards for p in d.panels() for n in p.metrics}
+    names |= {n for v in variables for n in v.metrics}
+    return frozenset(f for n in names if n.startswith("vllm:") and (f := family_of(n)) is not None)
 
 
 def check_variables(variables: Iterable[Variable]) -> None:

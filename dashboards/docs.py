@@ -55,8 +55,8 @@ WHY = """\
 - **Specs, then builders.** `dashboards/panels.py` holds the dashboards as data
   (`dashboards/spec.py`); `dashboards/build.py` turns them into SDK builders. Every metric
   name a query uses must be a row of `exporter/catalogue.csv` or a vLLM series listed in
-  `dashboards/vllm_names.py`, or the generator fails. Panels whose exporter metrics do not
-  exist yet are listed in `PENDING` and skipped with a warning (below).
+  `SERIES` of `exporter/vllm_metrics.py`, or the generator fails. Panels whose exporter
+  metrics do not exist yet are listed in `PENDING` and skipped with a warning (below).
 - **Strictly validated.** Each dashboard is checked against Grafana's JSON schemas
   (`dashboards/schemas/`, draft-07, no unknown properties): the dashboard, each panel's
   options and custom field config against its panel schema, each target against the

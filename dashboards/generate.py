@@ -4,7 +4,7 @@
     python -m dashboards.generate    writes only these
 
 Fails (GeneratorError) on a metric name that is neither in exporter/catalogue.csv nor
-in dashboards/vllm_names.py, unless the panel is PENDING; fails on a dashboard that
+in exporter/vllm_metrics.py SERIES, unless the panel is PENDING; fails on a dashboard that
 does not pass the Grafana JSON schemas.
 """
 

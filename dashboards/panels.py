@@ -25,6 +25,7 @@ from dashboards.spec import (
     on_exporter,
     rate,
 )
+from exporter.model.advisor.types import ACTION_INFO, Tone
 from exporter.thresholds import DEFAULT as T
 
 # Colour boundaries that are not advisor/alert thresholds (those come from
@@ -94,16 +95,18 @@ VARIABLES: tuple[Variable, ...] = (
 EL = "{{model_name}}/{{engine}} {{target}}"  # legend of per-engine exporter series
 VL = "{{model_name}}/{{engine}} {{instance}}"  # legend of per-engine vLLM series
 
-ACTION_MAPPINGS = (
-    Mapping("enable_offload", "enable offload", Color.WARN),
-    Mapping("grow_buffer", "grow buffer", Color.WARN),
-    Mapping("shrink_buffer", "shrink buffer", Color.INFO),
-    Mapping("raise_store_threshold", "raise store threshold", Color.INFO),
-    Mapping("disable_offload", "disable offload", Color.BAD),
-    Mapping("reduce_buffer_oom_risk", "reduce buffer (OOM risk)", Color.BAD),
-    Mapping("keep", "keep", Color.OK),
-    Mapping("no_action", "no action", Color.OK),
-    Mapping("insufficient_data", "insufficient data", Color.NEUTRAL),
+# The advisor's actions as kvoffload_advice_info shows them: one row per Action, from
+# exporter/model/advisor/types.py's ACTION_INFO (title and tone); only the colours are ours.
+TONE_COLORS: dict[Tone, Color] = {
+    Tone.OK: Color.OK,
+    Tone.INFO: Color.INFO,
+    Tone.WARN: Color.WARN,
+    Tone.BAD: Color.BAD,
+    Tone.NEUTRAL: Color.NEUTRAL,
+}
+ACTION_MAPPINGS = tuple(
+    Mapping(action.value, info.title, TONE_COLORS[info.tone])
+    for action, info in ACTION_INFO.items()
 )
 # Buffer sizes arrive as a label in bytes; powers of two (the default --whatif-sizes are
 # 0.25..16 GiB) get a readable name on the bar chart's axis.

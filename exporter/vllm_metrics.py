@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple
 
 from exporter.expfmt import Sample
@@ -235,6 +236,154 @@ WANTED: frozenset[str] = frozenset(
     | {CACHE_CONFIG_INFO, OFFLOAD_CONFIG_INFO, PROCESS_START}
 )
 COUNTER_KEYS_PREFIXES: frozenset[str] = frozenset(q.key for q in QUANTITIES if q.kind == "counter")
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """A metric family as vLLM (or a connector it loads) exposes it."""
+
+    type: str  # "counter" | "gauge" | "histogram" (then the name is the base name)
+    meaning: str
+    # When vLLM registers it, where not in every run of tests/fixtures/vllm-0.26.0-h200
+    # b_offload and vllm-0.32.0-cpu; empty: it is there.
+    condition: str = ""
+
+
+_OLD = "older vLLM, before the rename to the current series"
+_THRESHOLD = "OffloadingConnector with store_threshold >= 2"
+_TIERING = "TieringOffloadingSpec (per tier from vLLM 0.32)"
+_SIMPLE = "SimpleCPUOffloadConnector (VLLM_USE_SIMPLE_KV_OFFLOAD=1), vLLM 0.32+"
+_LMCACHE = "LMCache connector"
+_NIXL = "NixlConnector (disaggregated prefill)"
+
+# Every vLLM family the exporter knows: QUANTITIES' candidates and the info series above
+# (tests/test_vllm_metrics.py checks each resolves here with a fitting type), and the series
+# the dashboards query directly (dashboards/build.py accepts no other vLLM name). Names from
+# the vLLM metric catalogue in the team notes (../shared/notes/vllm-metrics-and-kv-events.md,
+# vLLM 0.33.0 sources) and the recorded expositions under tests/fixtures/.
+SERIES: Mapping[str, Series] = MappingProxyType(
+    {
+        # core (PrometheusStatLogger), labels model_name, engine
+        "vllm:num_requests_running": Series("gauge", "requests running"),
+        "vllm:num_requests_waiting": Series("gauge", "requests waiting"),
+        "vllm:kv_cache_usage_perc": Series("gauge", "GPU KV cache usage 0..1"),
+        "vllm:gpu_cache_usage_perc": Series("gauge", "GPU KV cache usage 0..1", _OLD),
+        "vllm:prefix_cache_queries_total": Series("counter", "GPU prefix cache lookups, tokens"),
+        "vllm:prefix_cache_hits_total": Series("counter", "GPU prefix cache hits, tokens"),
+        "vllm:gpu_prefix_cache_queries_total": Series("counter", "GPU prefix lookups", _OLD),
+        "vllm:gpu_prefix_cache_queries": Series("counter", "GPU prefix lookups", _OLD),
+        "vllm:gpu_prefix_cache_hits_total": Series("counter", "GPU prefix hits", _OLD),
+        "vllm:gpu_prefix_cache_hits": Series("counter", "GPU prefix hits", _OLD),
+        "vllm:external_prefix_cache_queries_total": Series(
+            "counter", "KV connector lookups, tokens"
+        ),
+        "vllm:external_prefix_cache_hits_total": Series("counter", "KV connector hits, tokens"),
+        "vllm:num_preemptions_total": Series("counter", "preemptions"),
+        "vllm:prompt_tokens_total": Series("counter", "all prompt tokens"),
+        "vllm:prompt_tokens_by_source_total": Series("counter", "prompt tokens by source"),
+        "vllm:prompt_tokens_cached_total": Series("counter", "cached prompt tokens"),
+        "vllm:prompt_tokens_cached_by_source_total": Series(
+            "counter", "cached prompt tokens by source"
+        ),
+        "vllm:generation_tokens_total": Series("counter", "generated tokens"),
+        "vllm:request_success_total": Series("counter", "finished requests by reason"),
+        "vllm:time_to_first_token_seconds": Series("histogram", "TTFT"),
+        "vllm:e2e_request_latency_seconds": Series("histogram", "end-to-end latency"),
+        "vllm:request_prefill_time_seconds": Series("histogram", "prefill time"),
+        "vllm:request_prefill_kv_computed_tokens": Series(
+            "histogram", "prompt tokens computed (not cached) per request"
+        ),
+        "vllm:request_queue_time_seconds": Series("histogram", "queue time"),
+        CACHE_CONFIG_INFO: Series("gauge", "CacheConfig as labels, value 1"),
+        OFFLOAD_CONFIG_INFO: Series("gauge", "offload config as labels, value 1", "vLLM 0.33+"),
+        PROCESS_START: Series("gauge", "API server start, unix seconds"),
+        # OffloadingConnector (vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py)
+        "vllm:kv_offload_load_bytes_total": Series("counter", "bytes offload tier -> GPU"),
+        "vllm:kv_offload_store_bytes_total": Series("counter", "bytes GPU -> offload tier"),
+        "vllm:kv_offload_load_time_total": Series("counter", "summed GPU copy time of loads"),
+        "vllm:kv_offload_store_time_total": Series("counter", "summed GPU copy time of stores"),
+        "vllm:kv_offload_load_size": Series("histogram", "bytes per load operation"),
+        "vllm:kv_offload_store_size": Series("histogram", "bytes per store operation"),
+        # the deprecated generation beside them (vLLM 0.26), split by transfer_type
+        "vllm:kv_offload_total_bytes_total": Series("counter", "bytes moved, by transfer_type"),
+        "vllm:kv_offload_total_time_total": Series("counter", "copy time, by transfer_type"),
+        "vllm:kv_offload_size": Series("histogram", "bytes per transfer, by transfer_type"),
+        "vllm:kv_offload_cpu_allocation_size": Series("histogram", "CPU chunks per store"),
+        "vllm:kv_offload_lookup_sync_delay_seconds": Series(
+            "histogram", "time in one offload lookup"
+        ),
+        "vllm:kv_offload_allocation_failure_total": Series(
+            "counter", "failed CPU store allocations"
+        ),
+        "vllm:kv_offload_stores_skipped_total": Series(
+            "counter", "stores below store_threshold", _THRESHOLD
+        ),
+        "vllm:kv_offload_cpu_cache_usage_perc": Series("gauge", "CPU space pinned by transfers"),
+        "vllm:kv_offload_cpu_cache_write_usage_perc": Series("gauge", "CPU space pinned by stores"),
+        "vllm:kv_offload_cpu_cache_read_usage_perc": Series("gauge", "CPU space pinned by loads"),
+        # KV transfer backends (docs/backends.md)
+        "vllm:kv_offload_tiering_lookup_sync_delay_seconds": Series(
+            "histogram", "time blocked in one tier lookup", _TIERING
+        ),
+        "vllm:kv_offload_tiering_read_bytes_total": Series("counter", "bytes read", _TIERING),
+        "vllm:kv_offload_tiering_read_time_total": Series("counter", "read time", _TIERING),
+        "vllm:kv_offload_tiering_write_bytes_total": Series("counter", "bytes written", _TIERING),
+        "vllm:kv_offload_tiering_write_time_total": Series("counter", "write time", _TIERING),
+        "vllm:kv_offload_tiering_chunk_queries_total": Series("counter", "chunk lookups", _TIERING),
+        "vllm:kv_offload_tiering_chunk_hits_total": Series("counter", "chunk hits", _TIERING),
+        "vllm:kv_offload_tiering_promotion_job_failures_total": Series(
+            "counter", "failed promotions", _TIERING
+        ),
+        "vllm:kv_offload_tiering_cascade_job_failures_total": Series(
+            "counter", "failed cascades", _TIERING
+        ),
+        "vllm:kv_offload_tiering_backpressure_blocks_dropped_total": Series(
+            "counter", "blocks dropped by back-pressure", _TIERING
+        ),
+        "vllm:kv_offload_tiering_promotion_allocation_failures_total": Series(
+            "counter", "promotion allocation failures", _TIERING
+        ),
+        "vllm:simple_kv_offload_save_outcomes_total": Series(
+            "counter", "simple offload store decisions", _SIMPLE
+        ),
+        "vllm:simple_kv_offload_load_blocks_total": Series("counter", "blocks loaded", _SIMPLE),
+        "vllm:simple_kv_offload_used_blocks": Series("gauge", "CPU blocks in use", _SIMPLE),
+        "vllm:simple_kv_offload_pending_store_blocks": Series(
+            "gauge", "blocks waiting to be stored", _SIMPLE
+        ),
+        "vllm:simple_kv_offload_info": Series("gauge", "backend as a label, value 1", _SIMPLE),
+        "lmcache:num_requested_tokens_total": Series("counter", "tokens requested", _LMCACHE),
+        "lmcache:num_hit_tokens_total": Series("counter", "tokens hit", _LMCACHE),
+        "lmcache:num_stored_tokens_total": Series("counter", "tokens stored", _LMCACHE),
+        "lmcache:num_lookup_tokens_total": Series("counter", "tokens looked up", _LMCACHE),
+        "lmcache:num_lookup_hits_total": Series("counter", "lookup hits, tokens", _LMCACHE),
+        "lmcache:time_to_retrieve": Series("histogram", "retrieve time", _LMCACHE),
+        "lmcache:time_to_store": Series("histogram", "store time", _LMCACHE),
+        "lmcache:local_cpu_evict_keys_count_total": Series("counter", "keys evicted", _LMCACHE),
+        "lmcache:local_cache_usage": Series("gauge", "local cache bytes", _LMCACHE),
+        "vllm:nixl_xfer_time_seconds": Series("histogram", "transfer time", _NIXL),
+        "vllm:nixl_post_time_seconds": Series("histogram", "transfer post time", _NIXL),
+        "vllm:nixl_bytes_transferred": Series("histogram", "bytes per transfer", _NIXL),
+        "vllm:nixl_num_failed_transfers_total": Series("counter", "failed transfers", _NIXL),
+        "vllm:nixl_num_failed_notifications_total": Series(
+            "counter", "failed notifications", _NIXL
+        ),
+        "vllm:nixl_num_kv_expired_reqs_total": Series("counter", "expired KV requests", _NIXL),
+    }
+)
+
+_HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def family_of(sample_name: str) -> str | None:
+    """The SERIES entry a sample name belongs to (histograms: _bucket/_sum/_count)."""
+    if sample_name in SERIES:
+        return sample_name
+    for suffix in _HISTOGRAM_SUFFIXES:
+        base = sample_name.removesuffix(suffix)
+        if base != sample_name and base in SERIES and SERIES[base].type == "histogram":
+            return base
+    return None
 
 
 class EngineKey(NamedTuple):

@@ -28,9 +28,9 @@ from dashboards.panels import (
     VARIABLES,
 )
 from dashboards.spec import Dashboard, Panel, Query, Row, Scenario, metric_names
-from dashboards.vllm_names import CONDITIONAL, VLLM_METRICS, family_of
 from exporter.catalogue import CATALOGUE, MetricDef
 from exporter.thresholds import DEFAULT as THRESHOLDS
+from exporter.vllm_metrics import SERIES, family_of
 from testbed import backfill
 
 REPO = Path(__file__).resolve().parent.parent
@@ -232,7 +232,7 @@ def test_every_metric_name_is_catalogued(dash: Dashboard) -> None:
         if name.startswith("kvoffload_"):
             assert name in CATALOGUE, f"{name} is not in exporter/catalogue.csv"
         else:
-            assert family_of(name) is not None, f"{name} is not in dashboards/vllm_names.py"
+            assert family_of(name) is not None, f"{name} is not in exporter/vllm_metrics.py SERIES"
 
 
 def test_metric_name_extractor_finds_every_name_form() -> None:
@@ -255,7 +255,9 @@ def test_vllm_names_are_in_the_shared_vllm_catalogue() -> None:
     if not notes.exists():
         pytest.skip("../shared is not present (a clean clone)")
     text = notes.read_text()
-    for name in VLLM_METRICS:
+    used = build.vllm_series()
+    assert "vllm:time_to_first_token_seconds" in used, "vllm_series() finds too little"
+    for name in used:
         bare = name.removesuffix("_total")
         assert f"`{name}`" in text or f"`{bare}`" in text or f"{bare}_" in text, name
 
@@ -268,8 +270,8 @@ def test_vllm_names_appear_in_recorded_expositions() -> None:
             *(FIXTURES / "vllm-0.32.0-cpu").glob("*.prom"),
         ]
     )
-    for name in VLLM_METRICS:
-        if name in CONDITIONAL:
+    for name, series in SERIES.items():
+        if series.condition:
             continue
         assert re.search(re.escape(name) + r"[ {_]", recorded), name
 
@@ -297,7 +299,7 @@ def test_generator_fails_on_an_unknown_name_unless_pending(
     build.warn(sel)
     assert "test.bogus" in capsys.readouterr().err
     vllm_typo = dataclasses.replace(good, queries=(Query("vllm:kv_offload_lod_bytes_total"),))
-    with pytest.raises(build.GeneratorError, match="vllm_names"):
+    with pytest.raises(build.GeneratorError, match=r"vllm_metrics\.py SERIES"):
         build.select(Dashboard("t", "T", "d", "t.json", (Row("r", (vllm_typo,)),)), pending={})
 
 

@@ -77,3 +77,69 @@ def test_normalise_drops_nan_and_negative_counters_and_reports_them():
     assert e.counters == {"prompt_tokens": 5.0}
     assert e.gauges == {}
     assert len(s.invalid) == 3
+
+
+# --- SERIES: the one table of vLLM names (QUANTITIES' and the dashboards') ---------------
+
+
+def _fixture_texts() -> str:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent / "fixtures"
+    return "".join(
+        p.read_text(encoding="utf-8", errors="replace")
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.suffix in {".prom", ".txt"}
+    )
+
+
+def test_every_name_read_is_a_series_of_fitting_type():
+    from exporter.vllm_metrics import QUANTITIES, SERIES, WANTED, family_of
+
+    for q in QUANTITIES:
+        for cand in q.candidates:
+            fam = family_of(cand.name)
+            assert fam is not None, f"{cand.name} ({q.key}) is not in SERIES"
+            kind = SERIES[fam].type
+            if fam == cand.name:
+                assert kind == q.kind, (cand.name, kind, q.kind)
+            else:  # a histogram's _sum or _count: a counter
+                assert kind == "histogram" and q.kind == "counter", (cand.name, kind)
+    assert all(family_of(n) is not None for n in WANTED)
+
+
+def test_series_types_are_the_recorded_ones():
+    import re
+
+    from exporter.vllm_metrics import SERIES
+
+    recorded = dict(re.findall(r"^# TYPE (\S+) (\S+)$", _fixture_texts(), re.M))
+    checked = 0
+    for name, series in SERIES.items():
+        # prometheus_client declares a counter's TYPE without _total
+        declared = recorded.get(name) or recorded.get(name.removesuffix("_total"))
+        if declared is not None:
+            assert declared == series.type, (name, declared, series.type)
+            checked += 1
+    assert checked > len(SERIES) // 2
+
+
+def test_series_appear_in_the_fixtures_except_the_unrecorded():
+    import re
+
+    from exporter.vllm_metrics import SERIES
+
+    texts = _fixture_texts()
+    missing = {n for n in SERIES if not re.search(re.escape(n) + r"[ {_]", texts)}
+    assert missing == {
+        # older vLLM generations and vLLM 0.33+ only: no recorded run has them
+        "vllm:gpu_cache_usage_perc",
+        "vllm:gpu_prefix_cache_queries_total",
+        "vllm:gpu_prefix_cache_queries",
+        "vllm:gpu_prefix_cache_hits_total",
+        "vllm:gpu_prefix_cache_hits",
+        "vllm:kv_offload_config_info",
+        # recorded compressed (tests/fixtures/gpu/small-thr2), checked by test_backends.py
+        "vllm:kv_offload_stores_skipped_total",
+    }
+    assert all(SERIES[n].condition for n in missing)

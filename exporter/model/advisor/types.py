@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 
 from exporter.model.derive.engines import EngineDerived
 
@@ -53,6 +54,167 @@ class Reason(StrEnum):
     RELOAD_NOT_FASTER_ESTIMATE = "reload_not_faster_estimate"
     WHATIF_NO_GAIN = "whatif_no_gain"
     RECOMPUTE_AFTER_EVICTION = "recompute_after_eviction"
+
+
+class Tone(StrEnum):
+    """How an action reads at a glance; the dashboards colour it (dashboards/panels.py)."""
+
+    OK = "ok"  # nothing to change
+    INFO = "info"  # worth doing, no harm meanwhile
+    WARN = "warn"  # capacity or latency left on the table
+    BAD = "bad"  # harm now: wasted resources or an OOM risk
+    NEUTRAL = "neutral"  # no judgement yet
+
+
+@dataclass(frozen=True, slots=True)
+class ActionInfo:
+    title: str  # the dashboards' value-mapping text
+    tone: Tone
+    meaning: str  # one line: docs/advisor.md's "when" column
+
+
+@dataclass(frozen=True, slots=True)
+class ReasonInfo:
+    action: Action  # the one action rules.evaluate returns with this reason
+    meaning: str  # one line for docs/advisor.md
+
+
+# Everything generated from the vocabulary reads these two tables (scripts/gen.py:
+# docs/advisor.md's tables and catalogue.csv's help of kvoffload_advice; dashboards/panels.py's
+# value mappings); tests/test_generated.py checks them against the enums, rules.py and the
+# generated files. In the enums' order.
+ACTION_INFO: Mapping[Action, ActionInfo] = MappingProxyType(
+    {
+        Action.ENABLE_OFFLOAD: ActionInfo(
+            "enable offload",
+            Tone.WARN,
+            "offload off; evicted prefixes are recomputed, a CPU tier of the recommended size "
+            "would serve them, and reloading is clearly faster than recomputing",
+        ),
+        Action.GROW_BUFFER: ActionInfo(
+            "grow buffer",
+            Tone.WARN,
+            "offload on; the what-if reaches a materially higher hit ratio with a larger buffer "
+            "that fits the memory headroom",
+        ),
+        Action.SHRINK_BUFFER: ActionInfo(
+            "shrink buffer",
+            Tone.INFO,
+            "offload on; a smaller buffer reaches about the same hit ratio",
+        ),
+        Action.RAISE_STORE_THRESHOLD: ActionInfo(
+            "raise store threshold",
+            Tone.INFO,
+            "offload on; stores dwarf loads and the PCIe link is busy",
+        ),
+        Action.DISABLE_OFFLOAD: ActionInfo(
+            "disable offload", Tone.BAD, "offload on and it does not pay"
+        ),
+        Action.REDUCE_BUFFER_OOM_RISK: ActionInfo(
+            "reduce buffer (OOM risk)",
+            Tone.BAD,
+            "the container is near its memory limit with a pinned pool",
+        ),
+        Action.KEEP: ActionInfo("keep", Tone.OK, "offload on and it pays"),
+        Action.NO_ACTION: ActionInfo("no action", Tone.OK, "offload off, and it would not help"),
+        Action.INSUFFICIENT_DATA: ActionInfo(
+            "insufficient data",
+            Tone.NEUTRAL,
+            "the evidence is missing; the explanation says what is needed and how much more",
+        ),
+    }
+)
+
+REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
+    {
+        Reason.TARGET_STALE: ReasonInfo(
+            Action.INSUFFICIENT_DATA,
+            "the target has not been scraped successfully for more than two intervals",
+        ),
+        Reason.WINDOW_TOO_SHORT: ReasonInfo(
+            Action.INSUFFICIENT_DATA,
+            "good scrapes cover less of the window than `min_window_seconds`",
+        ),
+        Reason.TOO_LITTLE_TRAFFIC: ReasonInfo(
+            Action.INSUFFICIENT_DATA,
+            "fewer prompt tokens in the window than `min_prompt_tokens`",
+        ),
+        Reason.MEMORY_NEAR_LIMIT: ReasonInfo(
+            Action.REDUCE_BUFFER_OOM_RISK,
+            "container memory at or above `memory_usage_high` of its limit, with offload on",
+        ),
+        Reason.RELOAD_SLOWER_THAN_RECOMPUTE: ReasonInfo(
+            Action.DISABLE_OFFLOAD,
+            "the TTFT fit (or, without one, the copy-time speedup) shows reloading does not "
+            "beat recomputing",
+        ),
+        Reason.RELOAD_GAIN_TOO_SMALL: ReasonInfo(
+            Action.DISABLE_OFFLOAD,
+            "the measured speedup interval lies entirely below `transfer_speedup_min`",
+        ),
+        Reason.BUFFER_TOO_SMALL: ReasonInfo(
+            Action.GROW_BUFFER,
+            "the what-if reaches a materially higher hit ratio with a larger buffer that fits "
+            "the memory headroom",
+        ),
+        Reason.SPEEDUP_UNCERTAIN: ReasonInfo(
+            Action.INSUFFICIENT_DATA,
+            "whether reloading clears `transfer_speedup_min` is not yet measured precisely "
+            "enough to decide",
+        ),
+        Reason.NO_REUSE: ReasonInfo(
+            Action.DISABLE_OFFLOAD,
+            "almost no prompt tokens come back from the CPU tier and no larger buffer would help",
+        ),
+        Reason.RELOAD_BENEFIT_UNMEASURED: ReasonInfo(
+            Action.INSUFFICIENT_DATA,
+            "the CPU tier serves hits but the TTFT fit cannot yet show that a loaded token "
+            "saves time",
+        ),
+        Reason.STORES_WITHOUT_REUSE_PCIE_BUSY: ReasonInfo(
+            Action.RAISE_STORE_THRESHOLD,
+            "loaded bytes are below `reuse_ratio_low` of stored bytes while the PCIe link is busy",
+        ),
+        Reason.BUFFER_LARGER_THAN_NEEDED: ReasonInfo(
+            Action.SHRINK_BUFFER,
+            "the what-if reaches about the configured hit ratio with a smaller buffer",
+        ),
+        Reason.PAYING_OFF: ReasonInfo(
+            Action.KEEP,
+            "the CPU tier serves prompt tokens and reloads measurably beat recomputing",
+        ),
+        Reason.KV_EVENTS_OFF: ReasonInfo(
+            Action.INSUFFICIENT_DATA,
+            "GPU KV cache under pressure, but without KV cache events reuse cannot be judged",
+        ),
+        Reason.NO_KV_PRESSURE: ReasonInfo(
+            Action.NO_ACTION, "GPU KV cache usage is low and nothing is preempted"
+        ),
+        Reason.NO_RECOMPUTE_AFTER_EVICTION: ReasonInfo(
+            Action.NO_ACTION,
+            "prefixes recomputed after eviction are below `recompute_share_material` of prompt "
+            "tokens",
+        ),
+        Reason.TRANSFER_RATE_UNKNOWN: ReasonInfo(
+            Action.INSUFFICIENT_DATA,
+            "no transfer rate or recompute speed to compare (no NVML link, no "
+            "--assumed-load-bandwidth, unknown KV bytes per token or recompute cost)",
+        ),
+        Reason.RELOAD_NOT_FASTER_ESTIMATE: ReasonInfo(
+            Action.NO_ACTION,
+            "the estimated speedup of reloading over recomputing is below `transfer_speedup_min`",
+        ),
+        Reason.WHATIF_NO_GAIN: ReasonInfo(
+            Action.NO_ACTION,
+            "no CPU tier that fits the memory headroom would reach a material hit ratio",
+        ),
+        Reason.RECOMPUTE_AFTER_EVICTION: ReasonInfo(
+            Action.ENABLE_OFFLOAD,
+            "evicted prefixes are recomputed and a CPU tier that fits would serve them, faster "
+            "than recomputing",
+        ),
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
