@@ -868,14 +868,19 @@ def test_runtime_hands_the_launch_config_to_derive() -> None:
 
 
 def test_dashboard_backend_series_appear_in_the_backend_fixtures() -> None:
-    """dashboards/vllm_names.py's backend entries, found where test_dashboards cannot look."""
+    """The conditional vLLM series the dashboards query (exporter/vllm_metrics.py SERIES),
+    found where test_dashboards cannot look."""
     import re
 
-    from dashboards.vllm_names import CONDITIONAL
+    from dashboards.build import vllm_series
+    from exporter.vllm_metrics import SERIES
+
+    conditional = {n for n in vllm_series() if SERIES[n].condition}
+    assert conditional, "no conditional series: the selection is broken"
 
     texts = "".join(
         [synth(n, "after") for n in ("vllm-0.32-tiering", "vllm-0.32-simple")]
         + [gpu_metrics(c, "after", "W2") for c in ("small-tier", "small-thr2")]
     )
-    for name in CONDITIONAL:
+    for name in conditional:
         assert re.search(re.escape(name) + r"[ {_]", texts), name
