@@ -1,4 +1,9 @@
-"""The collection loop: run every source on the interval, derive, render, swap the cache."""
+"""One collection cycle, wired: collect every source, build CycleInputs from their snapshots,
+step the model (exporter/model/pipeline.py), render the families, swap the cached exposition.
+
+The runtime holds each source by its type (a target's procfs, cgroup and KV-event sources
+beside it, one NVML source): it never asks a source for anything by name.
+"""
 
 from __future__ import annotations
 
@@ -6,37 +11,98 @@ import asyncio
 import logging
 import platform
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from exporter import __version__
 from exporter.catalogue import Family
 from exporter.config import Config
 from exporter.logs import log_event
-from exporter.model.advisor.hysteresis import Advisor
-from exporter.model.advisor.types import Advice, AdvisorInput, MemoryState, PolicyPoint, WhatIfState
-from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_target
-from exporter.model.derive.peers import with_peer_recompute
+from exporter.model.advisor.types import Advice, MemoryState
+from exporter.model.derive.engines import DeriveSettings, EngineDerived
+from exporter.model.inputs import CycleInputs, TargetInputs
+from exporter.model.pipeline import CycleResult, Pipeline
+from exporter.model.whatif.engine import WhatIfSettings
+from exporter.options import TargetConfig
 from exporter.render.advice import advice_families
 from exporter.render.backends import backend_families
+from exporter.render.cgroup import cgroup_families
 from exporter.render.derived import derived_families
 from exporter.render.exposition import Exposition
+from exporter.render.kv_events import kv_events_families
+from exporter.render.nvml import nvml_families
+from exporter.render.procfs import offload_pool_families, procfs_families
 from exporter.render.self_metrics import self_families
 from exporter.render.targets import target_families
+from exporter.render.whatif import whatif_families
 from exporter.sources import Clock, Source, execute
-from exporter.sources.cgroup import CgroupSource
-from exporter.sources.kv_events.source import kv_event_sources
+from exporter.sources.cgroup import CgroupMemory, CgroupSource
+from exporter.sources.kv_events.source import KvEventsSettings, KvEventsSource
 from exporter.sources.nvml.source import NvmlSource
-from exporter.sources.procfs.source import ProcfsSource, offload_pool_families, url_port
+from exporter.sources.procfs.parsers import PoolEstimate, url_port
+from exporter.sources.procfs.source import ProcfsSource
 from exporter.sources.vllm_http import VllmTarget
-from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import EngineKey
 
 log = logging.getLogger("kvoe.runtime")
 
 
+@dataclass(slots=True)
+class TargetSources:
+    """A vLLM target and the sources that watch the same server."""
+
+    target: VllmTarget
+    procfs: ProcfsSource | None = None
+    cgroup: CgroupSource | None = None
+    kv_events: KvEventsSource | None = None
+
+    @property
+    def label(self) -> str:
+        return self.target.config.label
+
+
+def whatif_settings(cfg: Config) -> WhatIfSettings:
+    return WhatIfSettings(
+        sizes_bytes=tuple(int(b) for b in cfg.whatif_sizes),
+        policy=cfg.whatif_policy,
+        store_threshold=cfg.whatif_store_threshold,
+        sample_rate=cfg.whatif_sample_rate,
+        model=cfg.whatif_model,
+        history_seconds=cfg.window + 120.0,
+    )
+
+
+def kv_events_settings(cfg: Config, target: TargetConfig) -> KvEventsSettings:
+    """A target's endpoints: its own (YAML targets[]), else the flags for a single target."""
+    per = cfg.kv_events_targets.get(target.label, {})
+    single = len(cfg.targets) == 1
+    return KvEventsSettings(
+        endpoints=tuple(
+            per.get("kv_events_endpoint") or (cfg.kv_events_endpoint if single else ())
+        ),
+        bind=tuple(per.get("kv_events_bind") or (cfg.kv_events_bind if single else ())),
+        replay_endpoints=tuple(
+            per.get("kv_events_replay_endpoint")
+            or (cfg.kv_events_replay_endpoint if single else ())
+        ),
+        queue_size=cfg.kv_events_queue,
+        record_path=_record_path(cfg.record_events, target.label, single),
+    )
+
+
+def _record_path(path: str, label: str, single: bool) -> str:
+    """--record-events FILE for one target; with several, FILE.<label>.ext each."""
+    if not path or single:
+        return path
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{safe}{p.suffix}"))
+
+
 def build_sources(cfg: Config, clock: Clock = time.time) -> list[Source]:
-    sources: list[Source] = [
+    """Every source the configuration asks for, in the order they render."""
+    targets = [
         VllmTarget(
             t,
             window_seconds=cfg.window,
@@ -46,28 +112,28 @@ def build_sources(cfg: Config, clock: Clock = time.time) -> list[Source]:
         )
         for t in cfg.targets
     ]
+    sources: list[Source] = list(targets)
     if cfg.nvml:
         sources.append(NvmlSource(poll_interval=cfg.nvml_poll_interval or None, clock=clock))
     single = len(cfg.targets) == 1
     for t in cfg.targets:
         pid = t.pid or (cfg.vllm_pid if single else None)
-        procfs = None
         if cfg.procfs:
-            procfs = ProcfsSource(
-                t.label,
-                port=url_port(t.url),
-                pid=pid,
-                procfs=cfg.path_procfs,
-                shm=cfg.path_shm,
-                single_target=single,
-                clock=clock,
+            sources.append(
+                ProcfsSource(
+                    t.label,
+                    port=url_port(t.url),
+                    pid=pid,
+                    procfs=cfg.path_procfs,
+                    shm=cfg.path_shm,
+                    single_target=single,
+                    clock=clock,
+                )
             )
-            sources.append(procfs)
         if cfg.cgroup:
             sources.append(
                 CgroupSource(
                     t.label,
-                    procfs=procfs,
                     pid=pid,
                     procfs_root=cfg.path_procfs,
                     cgroup_root=cfg.path_cgroup,
@@ -75,19 +141,58 @@ def build_sources(cfg: Config, clock: Clock = time.time) -> list[Source]:
                     clock=clock,
                 )
             )
-    sources.extend(kv_event_sources(cfg, sources, clock))
+    if cfg.kv_events:
+        sources.extend(
+            KvEventsSource(t, kv_events_settings(cfg, t.config), clock=clock) for t in targets
+        )
     return sources
 
 
+def memory_state(view: CgroupMemory | None, pool: PoolEstimate | None) -> MemoryState | None:
+    """The advisor's view of a target's memory: limit, non-reclaimable usage, the pool."""
+    if view is None:
+        return None
+    used = view.unreclaimable
+    if used is None and view.limit is not None and view.headroom is not None:
+        used = view.limit - view.headroom
+    return MemoryState(
+        limit_bytes=view.limit,
+        usage_bytes=used,
+        pool_bytes=pool.bytes if pool is not None else None,
+    )
+
+
 class Exporter:
-    def __init__(self, cfg: Config, sources: Sequence[Source], clock: Clock = time.time) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        sources: Sequence[Source],
+        clock: Clock = time.time,
+        timer: Clock = time.perf_counter,
+    ) -> None:
         self.cfg = cfg
+        self.timer = timer
         self.sources = list(sources)
-        self.targets = [s for s in self.sources if isinstance(s, VllmTarget)]
         self.clock = clock
-        self.derived: dict[str, list[EngineDerived]] = {}
-        self.advisor = Advisor(cfg.thresholds, confirm=cfg.advice_confirm_cycles)
-        self.advice: dict[str, list[tuple[EngineKey, Advice]]] = {}
+        self.nvml = next((s for s in self.sources if isinstance(s, NvmlSource)), None)
+        self.watched: list[TargetSources] = []
+        by_label: dict[str, TargetSources] = {}
+        for src in self.sources:
+            if isinstance(src, VllmTarget):
+                by_label[src.config.label] = ts = TargetSources(src)
+                self.watched.append(ts)
+        for src in self.sources:
+            if isinstance(src, ProcfsSource) and src.target in by_label:
+                by_label[src.target].procfs = src
+            elif isinstance(src, CgroupSource) and src.target in by_label:
+                by_label[src.target].cgroup = src
+            elif isinstance(src, KvEventsSource) and src.label in by_label:
+                by_label[src.label].kv_events = src
+        self.targets = [ts.target for ts in self.watched]
+        self.pipeline = Pipeline(
+            cfg.thresholds, confirm=cfg.advice_confirm_cycles, whatif=whatif_settings(cfg)
+        )
+        self.result = CycleResult(0.0, ())
         self.exposition = Exposition(self._self_families())
         self.cycles = 0
         self.last_cycle: float | None = None
@@ -108,114 +213,118 @@ class Exporter:
             except Exception:
                 log.exception("source %s failed to stop", src.name)
 
-    def settings_for(self, target: VllmTarget) -> DeriveSettings:
-        return DeriveSettings(
-            stale_after=2 * self.cfg.interval + self.cfg.effective_scrape_timeout,
-            kv_bytes_per_token=target.config.kv_bytes_per_token
-            or self.cfg.kv_bytes_per_token
-            or None,
-            assumed_load_bandwidth=float(self.cfg.assumed_load_bandwidth) or None,
-            link_bandwidth=self.link_bandwidth(),
-            launch=self._launch(target.config.label),
-        )
-
-    def _launch(self, label: str) -> LaunchConfig | None:
-        launch = self._hook("launch_config", label)
-        return launch if isinstance(launch, LaunchConfig) else None
-
     def link_bandwidth(self) -> float | None:
         """Slowest host link among the GPUs, bytes/s; None without a GPU collector."""
-        values = [
-            bw
-            for src in self.sources
-            if (fn := getattr(src, "link_bandwidth", None)) is not None and (bw := fn()) is not None
-        ]
-        return min(values) if values else None
+        reading = self.nvml.snapshot() if self.nvml is not None else None
+        return reading.link_bandwidth if reading is not None else None
+
+    def _follow_procfs(self) -> None:
+        # The cgroup is vLLM's: found from the root process procfs found last cycle.
+        for ts in self.watched:
+            if ts.cgroup is not None and ts.procfs is not None:
+                snap = ts.procfs.snapshot()
+                ts.cgroup.follow(ts.procfs.root_pid(), snap.unreclaimable_bytes() if snap else None)
+
+    def inputs(self, now: float) -> CycleInputs:
+        """This cycle's CycleInputs, from the sources' snapshots."""
+        reading = self.nvml.snapshot() if self.nvml is not None else None
+        link = reading.link_bandwidth if reading is not None else None
+        cfg = self.cfg
+        rows = []
+        for ts in self.watched:
+            procfs = ts.procfs.snapshot() if ts.procfs is not None else None
+            cgroup = ts.cgroup.snapshot() if ts.cgroup is not None else None
+            kv = ts.kv_events.snapshot() if ts.kv_events is not None else None
+            config = ts.target.config
+            settings = DeriveSettings(
+                stale_after=2 * cfg.interval + cfg.effective_scrape_timeout,
+                kv_bytes_per_token=config.kv_bytes_per_token or cfg.kv_bytes_per_token or None,
+                assumed_load_bandwidth=float(cfg.assumed_load_bandwidth) or None,
+                link_bandwidth=link,
+                launch=procfs.launch if procfs is not None else None,
+            )
+            rows.append(
+                TargetInputs(
+                    label=ts.label,
+                    window=ts.target.window,
+                    settings=settings,
+                    memory=memory_state(cgroup, procfs.pool if procfs is not None else None),
+                    kv_items=kv.items if kv is not None else None,
+                )
+            )
+        return CycleInputs(
+            now, tuple(rows), reading.pcie_utilization if reading is not None else None
+        )
 
     async def run_cycle(self) -> None:
+        self._follow_procfs()
         timeout = self.cfg.effective_scrape_timeout
-        await asyncio.gather(*(execute(src, timeout) for src in self.sources))
+        await asyncio.gather(*(execute(src, timeout, self.timer) for src in self.sources))
         now = self.clock()
-        derived = {
-            t.config.label: derive_target(t.window, now, self.settings_for(t)) for t in self.targets
-        }
-        # A decode engine (NIXL) takes the recompute rate of a prefill engine of its model.
-        self.derived = with_peer_recompute(derived)
-        self.advise()
+        self.result = self.pipeline.step(self.inputs(now))
         self.exposition = Exposition(self.families())
         self.cycles += 1
         self.last_cycle = now
 
-    def _hook(self, name: str, *args: object) -> object | None:
-        """First non-None answer of a source hook (duck-typed: not every source has it)."""
-        for src in self.sources:
-            fn = getattr(src, name, None)
-            if fn is not None and (value := fn(*args)) is not None:
-                return value  # type: ignore[no-any-return]
-        return None
+    @property
+    def derived(self) -> dict[str, list[EngineDerived]]:
+        return self.result.derived()
 
-    def advise(self) -> None:
-        pcie = self._hook("pcie_utilization")
-        present: set[tuple[str, EngineKey]] = set()
-        out: dict[str, list[tuple[EngineKey, Advice]]] = {}
-        for t in self.targets:
-            label = t.config.label
-            memory = self._hook("memory_state", label)
-            for d in self.derived.get(label, []):
-                whatif = self._hook("whatif_state", label, d.key, d)
-                policies = self._hook("policy_state", label, d.key, d)
-                mem = memory if isinstance(memory, MemoryState) else None
-                if mem is not None and mem.pool_bytes and d.offload_buffer_bytes:
-                    # The measured pool/flag ratio (1.75 on vLLM 0.26) sizes recommendations.
-                    mem = replace(mem, pool_to_buffer_ratio=mem.pool_bytes / d.offload_buffer_bytes)
-                inp = AdvisorInput(
-                    derived=d,
-                    covered_seconds=t.window.covered_seconds(),
-                    whatif=whatif if isinstance(whatif, WhatIfState) else None,
-                    memory=mem,
-                    pcie_utilization=pcie if isinstance(pcie, float) else None,
-                    policy_alternatives=tuple(
-                        p
-                        for p in (policies if isinstance(policies, tuple) else ())
-                        if isinstance(p, PolicyPoint)
-                    ),
-                )
-                advice = self.advisor.update(label, inp)
-                out.setdefault(label, []).append((d.key, advice))
-                for src in self.sources:
-                    # The policy what-if of an engine without offload runs at this size.
-                    note = getattr(src, "note_recommended", None)
-                    if note is not None:
-                        note(label, d.key, advice.recommended_buffer_bytes)
-                present.add((label, d.key))
-        self.advisor.forget_missing(present)
-        self.advice = out
+    @property
+    def advice(self) -> dict[str, list[tuple[EngineKey, Advice]]]:
+        return self.result.advice()
 
     def _self_families(self) -> list[Family]:
         states = [s.health.state() for s in self.sources if not isinstance(s, VllmTarget)]
         return list(self_families(__version__, platform.python_version(), self.cfg.window, states))
 
     def families(self) -> list[Family]:
-        out = self._self_families()
-        for src in self.sources:
-            if isinstance(src, VllmTarget):
-                out.extend(target_families(src.snapshot()))
-            else:
-                out.extend(src.families())  # type: ignore[attr-defined]  # SHIM(issue 14)
-        out.extend(derived_families(self.derived.items(), self.covered_seconds()))
-        out.extend(advice_families(self.advice.items()))
-        out.extend(backend_families(self.derived.items()))
-        for src in self.sources:
-            # Families that need the derived window (what-if hit ratios over prompt tokens).
-            hook = getattr(src, "derived_families", None)
-            if hook is not None:
-                out.extend(hook(self.derived))
-        pools = {s.target: s.pool() for s in self.sources if isinstance(s, ProcfsSource)}
-        out.extend(offload_pool_families(pools, self.derived))
-        return out
+        return list(self._families())
+
+    def _families(self) -> Iterator[Family]:
+        # The order of first appearance is the exposition's order: keep it stable.
+        result = self.result
+        yield from self._self_families()
+        for ts in self.watched:
+            yield from target_families(ts.target.snapshot())
+        if self.nvml is not None:
+            yield from nvml_families(self.nvml.snapshot())
+        for ts in self.watched:
+            if ts.procfs is not None:
+                yield from procfs_families(ts.label, ts.procfs.snapshot())
+            if ts.cgroup is not None:
+                yield from cgroup_families(ts.label, ts.cgroup.snapshot())
+        by_label = {t.label: t for t in result.targets}
+        for ts in self.watched:
+            if ts.kv_events is not None:
+                latest = ts.target.window.latest
+                sim = by_label[ts.label].simulation if ts.label in by_label else None
+                yield from kv_events_families(
+                    ts.label,
+                    ts.kv_events.snapshot(),
+                    latest.engines if latest is not None else (),
+                    sim or {},
+                )
+        derived = result.derived()
+        covered = {t.label: t.covered_seconds for t in result.targets}
+        yield from derived_families(derived.items(), covered)
+        yield from advice_families(result.advice().items())
+        yield from backend_families(derived.items())
+        for ts in self.watched:
+            t = by_label.get(ts.label)
+            if ts.kv_events is not None and t is not None:
+                yield from whatif_families(
+                    ts.label, ((e.derived.key, e.whatif, e.policies) for e in t.engines)
+                )
+        pools = {
+            ts.label: snap.pool
+            for ts in self.watched
+            if ts.procfs is not None and (snap := ts.procfs.snapshot()) is not None
+        }
+        yield from offload_pool_families(pools, derived)
 
     def covered_seconds(self) -> dict[str, float]:
-        return {t.config.label: t.window.covered_seconds() for t in self.targets}
+        return {ts.label: ts.target.window.covered_seconds() for ts in self.watched}
 
     async def run_forever(self) -> None:
         interval = self.cfg.interval

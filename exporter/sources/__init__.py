@@ -1,8 +1,10 @@
 """The one interface every source implements, and the health bookkeeping they share.
 
 A source owns its I/O: `collect()` refreshes its snapshot (raising CollectError on
-failure), `families()` turns the last snapshot into metric families without any
-I/O, and `health` records outcomes so self-metrics look the same for every source.
+failure), `snapshot()` hands the last one over as a typed frozen value without any I/O,
+and `health` records outcomes so self-metrics look the same for every source. Sources
+import nothing of exporter.model or exporter.render: the runtime turns snapshots into the
+model's inputs, and exporter/render/ turns them into metric families.
 """
 
 from __future__ import annotations
@@ -133,24 +135,26 @@ class Source(Protocol):
     def snapshot(self) -> object | None: ...
 
 
-async def execute(source: Source, timeout: float) -> bool:
-    """Run one collection under a deadline; never raises. Returns success."""
-    t0 = time.perf_counter()
+async def execute(source: Source, timeout: float, timer: Clock = time.perf_counter) -> bool:
+    """Run one collection under a deadline; never raises. Returns success.
+
+    `timer` measures the collection's duration (a fixed one makes expositions repeatable)."""
+    t0 = timer()
     try:
         await asyncio.wait_for(source.collect(), timeout)
     except CollectError as err:
-        source.health.failure(err, time.perf_counter() - t0)
+        source.health.failure(err, timer() - t0)
         return False
     except TimeoutError:
         late = CollectError(ErrorKind.TIMEOUT, f"collection took longer than {timeout:g}s")
-        source.health.failure(late, time.perf_counter() - t0)
+        source.health.failure(late, timer() - t0)
         return False
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # the source boundary: a bug must not stop the loop
         log.exception("collector bug in %s", source.name)
         bug = CollectError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
-        source.health.failure(bug, time.perf_counter() - t0)
+        source.health.failure(bug, timer() - t0)
         return False
-    source.health.success(time.perf_counter() - t0)
+    source.health.success(timer() - t0)
     return True

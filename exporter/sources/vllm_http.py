@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -49,6 +50,10 @@ class TargetSnapshot:
     health: SourceState
 
 
+# (url, body size limit) -> body; raises CollectError. Replaces HTTP for recorded data.
+Fetch = Callable[[str, int], Awaitable[bytes]]
+
+
 class VllmTarget:
     """Scrapes one target; the window it fills is what derivations read."""
 
@@ -60,8 +65,10 @@ class VllmTarget:
         timeout: float,
         max_body_bytes: int,
         clock: Clock = time.time,
+        fetch: Fetch | None = None,
     ) -> None:
         self.config = config
+        self._fetcher = fetch
         self.name = f"vllm:{config.label}"
         self.health = Health(self.name, clock)
         self.window = TargetWindow(window_seconds)
@@ -76,12 +83,14 @@ class VllmTarget:
         self._want_version = True
 
     async def start(self) -> None:
+        self.health.started = True
+        if self._fetcher is not None:
+            return
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.timeout),
             connector=aiohttp.TCPConnector(limit=2),
             headers={"User-Agent": "kv-offload-exporter"},
         )
-        self.health.started = True
 
     async def stop(self) -> None:
         if self._session is not None:
@@ -89,6 +98,8 @@ class VllmTarget:
             self._session = None
 
     async def _fetch(self, url: str, limit: int) -> bytes:
+        if self._fetcher is not None:
+            return await self._fetcher(url, limit)
         assert self._session is not None, "start() first"
         try:
             async with self._session.get(url) as resp:

@@ -1,0 +1,159 @@
+"""One cycle of the model, from CycleInputs to what is rendered: derive, step the what-if
+simulation, advise, plan the simulation for the next cycle.
+
+`Pipeline` keeps the state that spans cycles and nothing else: the advisor's hysteresis,
+the what-if simulation of each target and the last recommended buffer of each engine. It
+does no I/O and reads no clock (the time is CycleInputs.now), so the live exporter and
+`kv-offload-exporter replay` run the very same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from exporter.model.advisor.hysteresis import Advisor
+from exporter.model.advisor.types import Advice, AdvisorInput, MemoryState, PolicyPoint, WhatIfState
+from exporter.model.derive.engines import EngineDerived, derive_target
+from exporter.model.derive.peers import with_peer_recompute
+from exporter.model.inputs import CycleInputs, TargetInputs
+from exporter.model.whatif.engine import EngineSnapshot, WhatIf, WhatIfSettings
+from exporter.model.whatif.plan import sim_config
+from exporter.model.whatif.view import engine_rank, policy_points, whatif_state
+from exporter.thresholds import DEFAULT, Thresholds
+from exporter.vllm_metrics import EngineKey
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    derived: EngineDerived
+    advice: Advice
+    whatif: WhatIfState | None  # the curve over the window (None: not simulated yet)
+    policies: tuple[PolicyPoint, ...]  # the policy comparison, planned for the next cycle
+
+
+@dataclass(frozen=True, slots=True)
+class TargetResult:
+    label: str
+    covered_seconds: float
+    engines: tuple[EngineResult, ...]
+    # The simulation state per DP rank; None where the target has no KV-event consumer.
+    simulation: Mapping[int, EngineSnapshot] | None
+
+
+@dataclass(frozen=True, slots=True)
+class CycleResult:
+    now: float
+    targets: tuple[TargetResult, ...]
+
+    def derived(self) -> dict[str, list[EngineDerived]]:
+        return {t.label: [e.derived for e in t.engines] for t in self.targets}
+
+    def advice(self) -> dict[str, list[tuple[EngineKey, Advice]]]:
+        return {t.label: [(e.derived.key, e.advice) for e in t.engines] for t in self.targets}
+
+
+def memory_for(d: EngineDerived, memory: MemoryState | None) -> MemoryState | None:
+    """The target's memory as the advisor sees it for one engine: with the measured pool /
+    flag ratio (1.75 on vLLM 0.26), which sizes its recommendations."""
+    if memory is not None and memory.pool_bytes and d.offload_buffer_bytes:
+        return replace(memory, pool_to_buffer_ratio=memory.pool_bytes / d.offload_buffer_bytes)
+    return memory
+
+
+class Pipeline:
+    def __init__(
+        self,
+        thresholds: Thresholds = DEFAULT,
+        *,
+        confirm: int = 3,
+        whatif: WhatIfSettings | None = None,
+    ) -> None:
+        self.advisor = Advisor(thresholds, confirm=confirm)
+        self.whatif_settings = whatif or WhatIfSettings()
+        self._whatif: dict[str, WhatIf] = {}
+        self._recommended: dict[tuple[str, EngineKey], float | None] = {}
+
+    def simulation(self, label: str) -> WhatIf | None:
+        return self._whatif.get(label)
+
+    def _plan(self, w: WhatIf, label: str, d: EngineDerived) -> None:
+        """Configure engine d's simulators for the next step from what is known now."""
+        rank = engine_rank(d.key)
+        cfg = sim_config(d, self.whatif_settings, self._recommended.get((label, d.key)))
+        if rank is not None and cfg is not None:
+            w.configure(rank, cfg)
+
+    def step(self, inputs: CycleInputs) -> CycleResult:
+        # 1. The KV events since the last cycle, through the configuration planned then.
+        for t in inputs.targets:
+            if t.kv_items is not None:
+                w = self._whatif.get(t.label)
+                if w is None:
+                    w = self._whatif[t.label] = WhatIf(self.whatif_settings)
+                w.step(t.kv_items)
+        # 2. Derivations; a decode engine (NIXL) takes the recompute rate of a prefill
+        # engine of its model.
+        derived = with_peer_recompute(
+            {t.label: derive_target(t.window, inputs.now, t.settings) for t in inputs.targets}
+        )
+        # 3. Advice, the what-if read with the plan made from the previous recommendation.
+        present: set[tuple[str, EngineKey]] = set()
+        advised: dict[str, list[tuple[EngineDerived, Advice, WhatIfState | None]]] = {}
+        for t in inputs.targets:
+            rows = advised.setdefault(t.label, [])
+            for d in derived.get(t.label, []):
+                state, policies = self._whatif_view(t, d)
+                inp = AdvisorInput(
+                    derived=d,
+                    covered_seconds=t.window.covered_seconds(),
+                    whatif=state,
+                    memory=memory_for(d, t.memory),
+                    pcie_utilization=inputs.pcie_utilization,
+                    policy_alternatives=policies,
+                )
+                advice = self.advisor.update(t.label, inp)
+                self._recommended[(t.label, d.key)] = advice.recommended_buffer_bytes
+                rows.append((d, advice, state))
+                present.add((t.label, d.key))
+        self.advisor.forget_missing(present)
+        for key in [k for k in self._recommended if k not in present]:
+            del self._recommended[key]
+        # 4. The plan for the next step, with this cycle's recommendations: the policy
+        # comparison of an engine without offload runs at the recommended size.
+        out: list[TargetResult] = []
+        for t in inputs.targets:
+            engines = []
+            for d, advice, state in advised[t.label]:
+                _, policies = self._whatif_view(t, d)
+                engines.append(EngineResult(d, advice, state, policies))
+            w = self._whatif.get(t.label)
+            out.append(
+                TargetResult(
+                    t.label,
+                    t.window.covered_seconds(),
+                    tuple(engines),
+                    w.snapshots() if w is not None else None,
+                )
+            )
+        return CycleResult(inputs.now, tuple(out))
+
+    def _whatif_view(
+        self, t: TargetInputs, d: EngineDerived
+    ) -> tuple[WhatIfState | None, tuple[PolicyPoint, ...]]:
+        """Plan engine d with the current recommendation, then read its what-if."""
+        w = self._whatif.get(t.label)
+        if w is None:
+            return None, ()
+        self._plan(w, t.label, d)
+        rank = engine_rank(d.key)
+        es = w.snapshots().get(rank) if rank is not None else None
+        state = whatif_state(es, t.window, d, self.whatif_settings.sizes_bytes)
+        planned = w.planned(rank) if rank is not None else None
+        rec = self._recommended.get((t.label, d.key))
+        return state, policy_points(es, t.window, d, planned, rec)
+
+
+def forget(result: CycleResult, labels: Sequence[str]) -> CycleResult:
+    """The result without the named targets (a target removed from the configuration)."""
+    return replace(result, targets=tuple(t for t in result.targets if t.label not in labels))
