@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from exporter.options import Option, TargetConfig
+from exporter.sources.registry import REGISTRATIONS
 from exporter.thresholds import DEFAULT as DEFAULT_THRESHOLDS
 from exporter.thresholds import Thresholds
 from exporter.webconfig import WebConfigError, load_web_config
@@ -80,7 +81,7 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", number
 
 
-OPTIONS: tuple[Option, ...] = (
+CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "vllm-url",
         "list",
@@ -146,21 +147,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("log-format", "str", "text", "log line format", choices=("text", "json")),
     Option("log-level", "str", "info", "log level", choices=("debug", "info", "warning", "error")),
-    Option("nvml", "bool", True, "collect GPU PCIe byte counters, link state and memory via NVML"),
-    Option(
-        "nvml-poll-interval",
-        "float",
-        0.0,
-        "seconds between reads of NVML's 32-bit PCIe byte counters, which wrap every "
-        "~70 ms at Gen5 x16 line rate (0: 70%% of the wrap time at the link's maximum "
-        "bandwidth, kept within 10-50 ms: 48 ms on Gen5 x16)",
-        "SECONDS",
-    ),
-    Option("procfs", "bool", True, "read vLLM process memory (pinned, shmem) from /proc"),
-    Option("cgroup", "bool", True, "read the vLLM container's memory limit and usage"),
     Option("path.procfs", "str", "/proc", "procfs mount point", "PATH"),
-    Option("path.cgroup", "str", "/sys/fs/cgroup", "cgroup filesystem mount point", "PATH"),
-    Option("path.shm", "str", "/dev/shm", "the /dev/shm vLLM uses, as mounted here", "PATH"),
     Option(
         "vllm-pid",
         "int",
@@ -168,13 +155,6 @@ OPTIONS: tuple[Option, ...] = (
         "pid of the vLLM API server, for a single target (else targets[].pid; "
         "default: the process listening on the target's port)",
         "PID",
-    ),
-    Option(
-        "memory-limit",
-        "bytes",
-        0,
-        "vLLM container memory limit when its cgroup is not visible here (0: from the cgroup)",
-        "SIZE",
     ),
     Option(
         "max-engines-per-target",
@@ -189,54 +169,6 @@ OPTIONS: tuple[Option, ...] = (
         "str",
         "",
         "exporter-toolkit web config file: TLS, basic auth, headers, rate limit (docs/security.md)",
-        "FILE",
-    ),
-    Option(
-        "kv-events",
-        "bool",
-        True,
-        "consume vLLM's KV cache events (endpoints below, or discovered from the target) "
-        "and run the what-if simulator",
-    ),
-    Option(
-        "kv-events-endpoint",
-        "list",
-        [],
-        "vLLM KV-event publisher to connect to when vLLM binds (its endpoint tcp://*:5557 -> "
-        "tcp://VLLM_HOST:5557), one per DP rank in rank order; single target (else "
-        "targets[].kv_events_endpoint); default: ask GET /kv_event_sources",
-        "ENDPOINT",
-    ),
-    Option(
-        "kv-events-bind",
-        "list",
-        [],
-        "address to bind for a vLLM that connects to the exporter (its endpoint "
-        "tcp://EXPORTER:5557), one per DP rank (vLLM adds the rank to the port)",
-        "ENDPOINT",
-    ),
-    Option(
-        "kv-events-replay-endpoint",
-        "list",
-        [],
-        "vLLM's KV-event replay endpoint (its replay_endpoint), one per DP rank, "
-        "to recover batches lost in a sequence gap",
-        "ENDPOINT",
-    ),
-    Option(
-        "kv-events-queue",
-        "int",
-        10000,
-        "KV-event batches buffered for the simulator; beyond it batches are dropped and "
-        "counted (kvoffload_kv_events_dropped_total), never blocking vLLM",
-        "N",
-    ),
-    Option(
-        "record-events",
-        "str",
-        "",
-        "append every KV-event message received to FILE as JSON lines "
-        "(input of `kv-offload-exporter whatif --events`)",
         "FILE",
     ),
     Option(
@@ -277,6 +209,10 @@ OPTIONS: tuple[Option, ...] = (
         "(1.0 = exact; 0.01 tracks 1%% of the blocks)",
         "RATE",
     ),
+)
+# The flags of the optional sources come from their registrations (exporter/sources/).
+OPTIONS: tuple[Option, ...] = CORE_OPTIONS + tuple(
+    opt for reg in REGISTRATIONS for opt in (reg.switch, *reg.options)
 )
 OPTION_BY_KEY: Mapping[str, Option] = {o.key: o for o in OPTIONS}
 

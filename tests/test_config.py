@@ -74,3 +74,33 @@ def test_check_config_exit_codes(capsys):
     assert main(["--check-config", "--vllm-url", "http://127.0.0.1:8000"]) == 0
     assert main(["--check-config"]) == 2
     assert "no vLLM target" in capsys.readouterr().err
+
+
+def test_every_option_is_a_config_field_and_every_field_an_option():
+    from dataclasses import fields
+
+    from exporter.config import OPTIONS, Config
+
+    keys = {o.key for o in OPTIONS}
+    assert len(keys) == len(OPTIONS), "two options share a key"
+    # targets/thresholds are built from several options; extra keeps unknown YAML keys.
+    derived = {"targets", "thresholds", "kv_events_targets", "extra"}
+    assert {f.name for f in fields(Config)} - derived == keys - {"vllm_url", "threshold"}
+
+
+def test_each_registered_source_brings_its_switch_and_flags():
+    import argparse
+
+    from exporter.config import OPTIONS, add_arguments, load_config
+    from exporter.sources.registry import REGISTRATIONS
+
+    names = [r.name for r in REGISTRATIONS]
+    assert names == ["nvml", "procfs", "cgroup", "kv_events"]
+    for reg in REGISTRATIONS:
+        assert reg.switch in OPTIONS and all(o in OPTIONS for o in reg.options)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--vllm-url", "http://127.0.0.1:8000", "--no-kv-events"])
+    env = {"KVOE_NVML": "false", "KVOE_PATH_CGROUP": "/x"}
+    cfg = load_config(args, env)
+    assert (cfg.kv_events, cfg.nvml, cfg.procfs, cfg.path_cgroup) == (False, False, True, "/x")
