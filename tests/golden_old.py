@@ -25,10 +25,10 @@ from exporter.sources.kv_events import (
     StreamSpec,
 )
 from exporter.sources.nvml.source import NvmlSource
-from exporter.sources.procfs import ProcfsSource
+from exporter.sources.procfs.source import ProcfsSource
 from exporter.sources.vllm_http import VllmTarget
 from tests.nvml_doubles import FakeClock, RecordedGpu, RecordedNvml, load_fast
-from tests.test_procfs import CGROUP, build_proc, recorded_statvfs
+from tests.proc_tree import CGROUP, build_proc, recorded_statvfs
 
 HERE = Path(__file__).parent / "fixtures"
 import os

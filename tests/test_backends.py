@@ -821,7 +821,7 @@ def test_synthesized_lmcache_fixture_is_what_its_script_writes() -> None:
 
 async def test_procfs_reads_the_launch_config_of_the_vllm_server(tmp_path: Path) -> None:
     from exporter.sources import execute
-    from tests.test_procfs import API, ENGINE, build_proc, source
+    from tests.proc_tree import API, ENGINE, build_proc, source
 
     proc = build_proc(tmp_path)  # the H200 offload run's tree: --kv-offloading-size 0.5
     src = source(proc)

@@ -49,7 +49,7 @@ from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_
 from exporter.model.whatif.simulator import blocks_for_bytes
 from exporter.sources.kv_events.source import KvEventsSettings, KvEventsSource, Simulator
 from exporter.sources.nvml.poller import WrapCounter, link_bandwidth_bytes, max_poll_gap
-from exporter.sources.procfs.source import offload_pool, parse_smaps, parse_status
+from exporter.sources.procfs.parsers import offload_pool, parse_smaps, parse_status
 from exporter.thresholds import DEFAULT, Thresholds
 from testbed.replay import ReplayServer, Reply
 

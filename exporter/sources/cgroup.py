@@ -1,12 +1,14 @@
 """Container memory of the vLLM process: limit, usage and headroom from its cgroup (v2 or v1).
 
 The cgroup that matters is vLLM's, not the exporter's: it is found from
-/proc/PID/cgroup of the target's root process and read under --path.cgroup. Pinned
+/proc/PID/cgroup of the target's root process and read under --path.cgroup. The source
+takes that pid (and the processes' own anon + shmem) through `follow()`, which the runtime
+calls each cycle from the procfs snapshot; without it, the configured pid is used. Pinned
 offload pools are shmem, which cannot be reclaimed without swap, so headroom is the
 limit minus anon + shmem (page cache is left out: the kernel reclaims it before an OOM
 kill). Where vLLM's cgroup is not visible (a Kubernetes sidecar sees its own cgroup
 namespace only), --memory-limit supplies the limit and the processes' own anon + shmem
-from /proc stand in for the cgroup's.
+from /proc stand in for the cgroup's. Rendering: exporter/render/cgroup.py.
 """
 
 from __future__ import annotations
@@ -14,18 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from exporter.catalogue import Family
 from exporter.logs import log_event
 from exporter.sources import Clock, CollectError, ErrorKind, Health
 
 if TYPE_CHECKING:
-    from exporter.model.advisor.rules import MemoryState
-    from exporter.sources.procfs.source import ProcfsSource
+    from collections.abc import Iterable
+
+    from exporter.catalogue import Family  # SHIM(issue 14): for families()
+    from exporter.model.advisor.types import MemoryState  # SHIM(issue 14)
+    from exporter.sources.procfs.source import ProcfsSource  # SHIM(issue 14)
 
 log = logging.getLogger("kvoe.cgroup")
 
@@ -90,6 +93,16 @@ class CgroupMemory:
         if self.anon is None or self.shmem is None:
             return None
         return self.anon + self.shmem
+
+    @property
+    def headroom_usage(self) -> int | None:
+        """The usage the limit is weighed against (the advisor's MemoryState.usage_bytes):
+        anon + shmem, or where the cgroup's are unknown (only --memory-limit and /proc),
+        limit - headroom, i.e. the processes' own anon + shmem."""
+        used = self.unreclaimable
+        if used is None and self.limit is not None and self.headroom is not None:
+            used = self.limit - self.headroom
+        return used
 
 
 def headroom(limit: int | None, anon: int | None, shmem: int | None) -> int | None:
@@ -233,22 +246,24 @@ class CgroupSource:
         self,
         target: str,
         *,
-        procfs: ProcfsSource | None = None,
         pid: int | None = None,
         procfs_root: str | Path = "/proc",
         cgroup_root: str | Path = "/sys/fs/cgroup",
         memory_limit: int | None = None,
         clock: Clock = time.time,
+        procfs: ProcfsSource | None = None,  # SHIM(issue 14): the runtime calls follow()
     ) -> None:
         self.target = target
         self.name = f"cgroup:{target}"
         self.health = Health(self.name, clock)
-        self.procfs = procfs
         self.pid = pid
         self.procfs_root = Path(procfs_root)
         self.cgroup_root = Path(cgroup_root)
         self.memory_limit = memory_limit or None
-        self.view: CgroupMemory | None = None
+        self.procfs = procfs  # SHIM(issue 14)
+        self._followed_pid: int | None = None
+        self._unreclaimable: int | None = None
+        self._view: CgroupMemory | None = None
         self._last_path: str | None = None
 
     async def start(self) -> None:
@@ -257,23 +272,38 @@ class CgroupSource:
     async def stop(self) -> None:
         return None
 
-    def _pid(self) -> int | None:
-        if self.procfs is not None and (pid := self.procfs.root_pid()) is not None:
-            return pid
-        return self.pid
+    def follow(self, pid: int | None, unreclaimable_bytes: int | None) -> None:
+        """What procfs found for this target, for the next collection: vLLM's root pid
+        (preferred over the configured one; None: not known) and its processes' anon +
+        shmem (ProcfsSnapshot.unreclaimable_bytes(); used only with --memory-limit where
+        the cgroup is not visible)."""
+        self._followed_pid = pid
+        self._unreclaimable = unreclaimable_bytes
+
+    def snapshot(self) -> CgroupMemory | None:
+        """The last successful collection; None before one and after a failed one.
+        Never blocks, never raises."""
+        return self._view
+
+    def _followed(self) -> tuple[int | None, int | None]:
+        if self.procfs is not None:  # SHIM(issue 14): asks the ProcfsSource directly
+            snap = self.procfs.snapshot()  # SHIM(issue 14)
+            used = snap.unreclaimable_bytes() if snap is not None else None  # SHIM(issue 14)
+            return self.procfs.root_pid(), used  # SHIM(issue 14)
+        return self._followed_pid, self._unreclaimable
 
     async def collect(self) -> None:
         try:
             view = await asyncio.to_thread(self.read)
         except CollectError:
-            self.view = None
+            self._view = None
             raise
         if view.path != self._last_path:
             log_event(log, logging.INFO, "cgroup_found", target=self.target, path=view.path)
             self._last_path = view.path
-        self.view = view
+        self._view = view
 
-    def _without_cgroup(self, reason: str) -> CgroupMemory:
+    def _without_cgroup(self, reason: str, used: int | None) -> CgroupMemory:
         """--memory-limit with the processes' own memory, or absent with the reason."""
         if self.memory_limit is None:
             raise CollectError(
@@ -282,21 +312,22 @@ class CgroupSource:
                 "or give --memory-limit",
                 absent=True,
             )
-        snap = self.procfs.snapshot if self.procfs is not None else None
-        used = snap.unreclaimable_bytes() if snap is not None else None
         room = self.memory_limit - used if used is not None else None
         return CgroupMemory(
             0, f"--memory-limit ({reason})", self.memory_limit, None, None, None, room
         )
 
     def read(self) -> CgroupMemory:
-        pid = self._pid()
+        followed, used = self._followed()
+        pid = followed if followed is not None else self.pid
         if pid is None:
-            return self._without_cgroup("the vLLM process is not known yet")
+            return self._without_cgroup("the vLLM process is not known yet", used)
         try:
             text = (self.procfs_root / str(pid) / "cgroup").read_text(encoding="utf-8")
         except OSError as exc:
-            return self._without_cgroup(f"cannot read /proc/{pid}/cgroup: {exc.strerror or exc}")
+            return self._without_cgroup(
+                f"cannot read /proc/{pid}/cgroup: {exc.strerror or exc}", used
+            )
         target = parse_proc_cgroup(text)
         try:
             own: ProcCgroup | None = parse_proc_cgroup(
@@ -306,45 +337,28 @@ class CgroupSource:
             own = None
         where = locate(self.cgroup_root, target, own)
         if isinstance(where, str):
-            return self._without_cgroup(f"pid {pid}: {where}")
+            return self._without_cgroup(f"pid {pid}: {where}", used)
         if where.version == 2:
             return read_v2(where.base, where.rel, self.memory_limit)
         return read_v1(where.base, where.rel, self.memory_limit)
 
-    # hooks -------------------------------------------------------------------------------
+    # SHIM(issue 14): removed when runtime.py switches; the old hooks, delegating.
 
     def memory_state(self, target: str) -> MemoryState | None:
         """The advisor's view: limit, non-reclaimable usage, the offload pool."""
-        view = self.view
-        if target != self.target or view is None:
-            return None
-        from exporter.model.advisor.rules import MemoryState
+        view = self._view  # SHIM(issue 14)
+        if target != self.target or view is None:  # SHIM(issue 14)
+            return None  # SHIM(issue 14)
+        from exporter.model.advisor.types import MemoryState  # SHIM(issue 14)
 
-        used = view.unreclaimable
-        if used is None and view.limit is not None and view.headroom is not None:
-            used = view.limit - view.headroom
-        pool = self.procfs.pool() if self.procfs is not None else None
-        return MemoryState(
+        pool = self.procfs.pool() if self.procfs is not None else None  # SHIM(issue 14)
+        return MemoryState(  # SHIM(issue 14)
             limit_bytes=view.limit,
-            usage_bytes=used,
+            usage_bytes=view.headroom_usage,
             pool_bytes=pool.bytes if pool is not None else None,
         )
 
     def families(self) -> Iterable[Family]:
-        view = self.view
-        if view is None:
-            return []
-        values: Mapping[str, int | None] = {
-            "kvoffload_container_memory_limit_bytes": view.limit,
-            "kvoffload_container_memory_usage_bytes": view.usage,
-            "kvoffload_container_memory_anon_bytes": view.anon,
-            "kvoffload_container_memory_shmem_bytes": view.shmem,
-            "kvoffload_container_memory_headroom_bytes": view.headroom,
-        }
-        out: list[Family] = []
-        for name, value in values.items():
-            fam = Family(name)
-            if value is not None:
-                fam.add([self.target], value)
-            out.append(fam)
-        return out
+        from exporter.render.cgroup import cgroup_families  # SHIM(issue 14)
+
+        return cgroup_families(self.target, self._view)  # SHIM(issue 14)

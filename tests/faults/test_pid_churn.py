@@ -18,8 +18,9 @@ import textwrap
 
 import pytest
 
+from exporter.render.procfs import procfs_families
 from exporter.sources import ErrorKind, execute
-from exporter.sources.procfs import source as procfs
+from exporter.sources.procfs import discovery
 from exporter.sources.procfs.source import ProcfsSource
 from testbed.procs import free_port
 
@@ -54,7 +55,7 @@ CHURN = textwrap.dedent(
 async def test_children_vanishing_mid_read_never_fail_a_collection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(procfs, "TREE_REFRESH", 0.0)  # rescan the tree every collection
+    monkeypatch.setattr(discovery, "TREE_REFRESH", 0.0)  # rescan the tree every collection
     port = free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before any await
         [sys.executable, "-c", CHURN, str(port), "60"],
@@ -70,7 +71,7 @@ async def test_children_vanishing_mid_read_never_fail_a_collection(
         pids_seen: set[int] = set()
         for _ in range(150):
             assert await execute(src, 10.0), (src.health.error_kind, src.health.error)
-            snap = src.snapshot
+            snap = src.snapshot()
             assert snap is not None and snap.root_pid == proc.pid
             pids_seen |= {p.pid for p in snap.processes}
             if len(pids_seen) > 20:
@@ -78,7 +79,7 @@ async def test_children_vanishing_mid_read_never_fail_a_collection(
         assert src.health.errors_total == {}
         # Children were really listed (and most were gone a moment later).
         assert len(pids_seen - {proc.pid}) >= 1, "no child ever listed: the race was not run"
-        assert src.families()
+        assert procfs_families(src.target, src.snapshot())
     finally:
         # Children forked a moment ago still hold the listening socket: kill the group.
         os.killpg(proc.pid, signal.SIGKILL)
@@ -93,5 +94,6 @@ async def test_children_vanishing_mid_read_never_fail_a_collection(
     assert not await execute(src, 10.0)
     assert src.health.error_kind == ErrorKind.UNAVAILABLE
     assert src.health.errors_total == {}
-    assert [f for f in src.families() if len(f)] == []
+    assert src.snapshot() is None
+    assert [f for f in procfs_families(src.target, src.snapshot()) if len(f)] == []
     await src.stop()

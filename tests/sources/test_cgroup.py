@@ -1,5 +1,6 @@
-"""Container memory from the vLLM process' cgroup, on v2 and v1 fixture trees (see
-tests/fixtures/cgroup/README.md: only the H200 root-cgroup stat is recorded)."""
+"""exporter/sources/cgroup.py: container memory from the vLLM process' cgroup, on v2 and v1
+fixture trees (see tests/fixtures/cgroup/README.md: only the H200 root-cgroup stat is
+recorded) and the /proc tree of tests/proc_tree.py."""
 
 from __future__ import annotations
 
@@ -21,11 +22,8 @@ from exporter.sources.cgroup import (
     read_v2,
 )
 from tests.nvml_doubles import series
-from tests.test_procfs import API, VLLM_CGROUP, build_proc, source
+from tests.proc_tree import API, CGROUP, GIB, MIB, VLLM_CGROUP, build_proc, source
 
-CGROUP = Path(__file__).parent / "fixtures" / "cgroup"
-GIB = 1 << 30
-MIB = 1 << 20
 POD = VLLM_CGROUP.rsplit("/", 1)[0]
 
 
@@ -182,12 +180,97 @@ def test_locate_v1_same_container_without_cgroup_namespace(tmp_path):
 # --- the source -------------------------------------------------------------------------------
 
 
-async def test_source_reads_the_vllm_cgroup_found_through_procfs(tmp_path):
+async def test_source_reads_the_vllm_cgroup_of_the_pid_procfs_found(tmp_path):
+    proc = build_proc(tmp_path)
+    procfs = source(proc)
+    cg = CgroupSource("vllm-b", procfs_root=proc, cgroup_root=CGROUP / "v2")
+    assert not await execute(cg, 5.0)  # no vLLM process known yet: absent, not an error
+    assert cg.health.errors_total == {} and "not known yet" in (cg.health.error or "")
+    assert cg.snapshot() is None
+    assert await execute(procfs, 5.0)
+    snap = procfs.snapshot()
+    assert snap is not None
+    cg.follow(snap.root_pid, snap.unreclaimable_bytes())
+    assert await execute(cg, 5.0)
+    view = cg.snapshot()
+    own = stat_of(level(VLLM_CGROUP) / "memory.stat")
+    assert view is not None and view.version == 2 and view.limit == 32 * GIB
+    assert (view.anon, view.shmem) == (own["anon"], own["shmem"])
+    assert view.headroom == 32 * GIB - own["anon"] - own["shmem"]
+    # What the advisor's MemoryState takes as usage.
+    assert view.headroom_usage == own["anon"] + own["shmem"]
+
+
+async def test_followed_pid_wins_over_the_configured_one(tmp_path):
+    proc = build_proc(tmp_path)
+    cg = CgroupSource("t", pid=424242, procfs_root=proc, cgroup_root=CGROUP / "v2")
+    cg.follow(API, None)
+    assert await execute(cg, 5.0)
+    view = cg.snapshot()
+    assert view is not None and view.limit == 32 * GIB
+    cg.follow(None, None)  # procfs lost vLLM: back to the configured pid
+    assert not await execute(cg, 5.0)
+    assert "424242" in (cg.health.error or "") and cg.snapshot() is None
+
+
+async def test_sidecar_outside_the_cgroup_namespace_uses_memory_limit(tmp_path):
+    proc = build_proc(tmp_path, cgroup="/../cri-containerd-vllm0001.scope")
+    procfs = source(proc)
+    assert await execute(procfs, 5.0)
+    snap = procfs.snapshot()
+    assert snap is not None
+    used = snap.unreclaimable_bytes()
+    blind = CgroupSource("vllm-b", procfs_root=proc, cgroup_root=CGROUP / "v2")
+    blind.follow(snap.root_pid, used)
+    assert not await execute(blind, 5.0)
+    assert "--memory-limit" in (blind.health.error or "") and blind.health.errors_total == {}
+    assert "namespace" in (blind.health.error or "")
+    assert blind.snapshot() is None
+    told = CgroupSource(
+        "vllm-b", procfs_root=proc, cgroup_root=CGROUP / "v2", memory_limit=32 * GIB
+    )
+    told.follow(snap.root_pid, used)
+    assert await execute(told, 5.0)
+    by_pid = {p.pid: p for p in snap.processes}
+    assert used == sum(p.anon + p.shmem for p in by_pid.values())  # nothing shared twice
+    view = told.snapshot()
+    assert view is not None and view.version == 0
+    assert (view.limit, view.usage, view.anon, view.shmem) == (32 * GIB, None, None, None)
+    assert view.headroom == 32 * GIB - used
+    assert view.unreclaimable is None and view.headroom_usage == used
+
+
+async def test_memory_limit_before_vllm_is_known_has_no_headroom(tmp_path):
+    proc = build_proc(tmp_path)
+    cg = CgroupSource("t", procfs_root=proc, cgroup_root=CGROUP / "v2", memory_limit=GIB)
+    assert await execute(cg, 5.0)
+    view = cg.snapshot()
+    assert view is not None and view.limit == GIB and view.headroom is None
+    assert "not known yet" in view.path and view.headroom_usage is None
+
+
+async def test_configured_pid_without_procfs(tmp_path):
+    proc = build_proc(tmp_path)
+    cg = CgroupSource("t", pid=API, procfs_root=proc, cgroup_root=CGROUP / "v2")
+    assert await execute(cg, 5.0)
+    view = cg.snapshot()
+    assert view is not None and view.limit == 32 * GIB
+
+
+async def test_vanished_pid_without_limit_is_absent(tmp_path):
+    proc = build_proc(tmp_path)
+    cg = CgroupSource("t", pid=424242, procfs_root=proc, cgroup_root=CGROUP / "v2")
+    assert not await execute(cg, 5.0)
+    assert "424242" in (cg.health.error or "") and cg.health.errors_total == {}
+
+
+async def test_shims_ask_the_procfs_source_and_delegate(tmp_path):
+    # SHIM(issue 14): removed with the old hooks when runtime.py switches.
     proc = build_proc(tmp_path)
     procfs = source(proc)
     cg = CgroupSource("vllm-b", procfs=procfs, procfs_root=proc, cgroup_root=CGROUP / "v2")
-    assert not await execute(cg, 5.0)  # no vLLM process known yet: absent, not an error
-    assert cg.health.errors_total == {} and "not known yet" in (cg.health.error or "")
+    assert not await execute(cg, 5.0)
+    assert "not known yet" in (cg.health.error or "") and list(cg.families()) == []
     assert await execute(procfs, 5.0)
     assert await execute(cg, 5.0)
     fams = series(cg.families())
@@ -200,46 +283,3 @@ async def test_source_reads_the_vllm_cgroup_found_through_procfs(tmp_path):
     assert mem.usage_bytes == own["anon"] + own["shmem"]
     assert mem.pool_bytes == 896 * MIB
     assert cg.memory_state("another-target") is None
-
-
-async def test_sidecar_outside_the_cgroup_namespace_uses_memory_limit(tmp_path):
-    proc = build_proc(tmp_path, cgroup="/../cri-containerd-vllm0001.scope")
-    procfs = source(proc)
-    assert await execute(procfs, 5.0)
-    blind = CgroupSource("vllm-b", procfs=procfs, procfs_root=proc, cgroup_root=CGROUP / "v2")
-    assert not await execute(blind, 5.0)
-    assert "--memory-limit" in (blind.health.error or "") and blind.health.errors_total == {}
-    assert series(blind.families()) == {}
-    told = CgroupSource(
-        "vllm-b",
-        procfs=procfs,
-        procfs_root=proc,
-        cgroup_root=CGROUP / "v2",
-        memory_limit=32 * GIB,
-    )
-    assert await execute(told, 5.0)
-    snap = procfs.snapshot
-    assert snap is not None
-    used = snap.unreclaimable_bytes()
-    by_pid = {p.pid: p for p in snap.processes}
-    assert used == sum(p.anon + p.shmem for p in by_pid.values())  # nothing shared twice
-    fams = series(told.families())
-    assert fams["kvoffload_container_memory_limit_bytes"] == [({"target": "vllm-b"}, 32 * GIB)]
-    assert fams["kvoffload_container_memory_headroom_bytes"] == [
-        ({"target": "vllm-b"}, 32 * GIB - used)
-    ]
-    assert "kvoffload_container_memory_usage_bytes" not in fams
-
-
-async def test_configured_pid_without_procfs(tmp_path):
-    proc = build_proc(tmp_path)
-    cg = CgroupSource("t", pid=API, procfs_root=proc, cgroup_root=CGROUP / "v2")
-    assert await execute(cg, 5.0)
-    assert cg.view is not None and cg.view.limit == 32 * GIB
-
-
-async def test_vanished_pid_without_limit_is_absent(tmp_path):
-    proc = build_proc(tmp_path)
-    cg = CgroupSource("t", pid=424242, procfs_root=proc, cgroup_root=CGROUP / "v2")
-    assert not await execute(cg, 5.0)
-    assert "424242" in (cg.health.error or "") and cg.health.errors_total == {}
