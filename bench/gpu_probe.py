@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from exporter.render.nvml import nvml_families  # noqa: E402
 from exporter.sources.nvml.library import PynvmlApi  # noqa: E402
 from exporter.sources.nvml.poller import GpuSnapshot  # noqa: E402
 from exporter.sources.nvml.source import NvmlSource  # noqa: E402
@@ -252,7 +253,7 @@ def run(probe: Probe) -> int:
     asyncio.run(src.collect())
     rep["exposition"] = [
         f"{fam.definition.name}{{{_labels(fam.definition.labels, labels)}}} {value:g}"
-        for fam in src.families()
+        for fam in nvml_families(src.snapshot())
         for labels, value in fam.samples
         if fam.definition.name.startswith("kvoffload_gpu_pcie")
     ]

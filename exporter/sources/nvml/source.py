@@ -12,18 +12,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from exporter.logs import log_event
 from exporter.sources import Clock, CollectError, ErrorKind, Health
 from exporter.sources.nvml.library import NvmlApi, PynvmlApi
 from exporter.sources.nvml.poller import NvmlPoller, NvmlSnapshot, utilization
-
-if TYPE_CHECKING:
-    from exporter.catalogue import Family  # SHIM(issue 14): for families()
 
 log = logging.getLogger("kvoe.nvml")
 
@@ -165,16 +161,3 @@ class NvmlSource:
         """The last successful collection; None before one and after a failed one.
         Never blocks, never raises."""
         return self._reading
-
-    # SHIM(issue 14): removed when runtime.py switches; the old hooks, delegating.
-
-    def link_bandwidth(self) -> float | None:
-        return None if self._reading is None else self._reading.link_bandwidth  # SHIM(issue 14)
-
-    def pcie_utilization(self) -> float | None:
-        return None if self._reading is None else self._reading.pcie_utilization  # SHIM(issue 14)
-
-    def families(self) -> Iterable[Family]:
-        from exporter.render.nvml import nvml_families  # SHIM(issue 14)
-
-        return nvml_families(self._reading)  # SHIM(issue 14)
