@@ -152,12 +152,9 @@ def memory_state(view: CgroupMemory | None, pool: PoolEstimate | None) -> Memory
     """The advisor's view of a target's memory: limit, non-reclaimable usage, the pool."""
     if view is None:
         return None
-    used = view.unreclaimable
-    if used is None and view.limit is not None and view.headroom is not None:
-        used = view.limit - view.headroom
     return MemoryState(
         limit_bytes=view.limit,
-        usage_bytes=used,
+        usage_bytes=view.headroom_usage,
         pool_bytes=pool.bytes if pool is not None else None,
     )
 
@@ -223,7 +220,10 @@ class Exporter:
         for ts in self.watched:
             if ts.cgroup is not None and ts.procfs is not None:
                 snap = ts.procfs.snapshot()
-                ts.cgroup.follow(ts.procfs.root_pid(), snap.unreclaimable_bytes() if snap else None)
+                if snap is None:
+                    ts.cgroup.follow(None, None)
+                else:
+                    ts.cgroup.follow(snap.root_pid, snap.unreclaimable_bytes())
 
     def inputs(self, now: float) -> CycleInputs:
         """This cycle's CycleInputs, from the sources' snapshots."""

@@ -819,27 +819,6 @@ def test_synthesized_lmcache_fixture_is_what_its_script_writes() -> None:
 # --- wiring: /proc -> launch config -> derive ------------------------------------------------
 
 
-async def test_procfs_reads_the_launch_config_of_the_vllm_server(tmp_path: Path) -> None:
-    from exporter.sources import execute
-    from tests.proc_tree import API, ENGINE, build_proc, source
-
-    proc = build_proc(tmp_path)  # the H200 offload run's tree: --kv-offloading-size 0.5
-    src = source(proc)
-    assert await execute(src, 5.0)
-    lc = src.launch_config("vllm-b")
-    assert lc is not None and lc.connector == "OffloadingConnector"
-    assert lc.offloading_size_gib == 0.5 and not lc.environ_read  # no environ file: unknown
-    assert src.launch_config("another-target") is None
-    (proc / str(API) / "environ").write_bytes(b"VLLM_USE_SIMPLE_KV_OFFLOAD=1\0UCX_TLS=rc\0")
-    assert await execute(src, 5.0)
-    lc = src.launch_config("vllm-b")
-    assert lc is not None and (lc.connector, lc.ucx_tls) == ("SimpleCPUOffloadConnector", "rc")
-    # configured with the EngineCore's pid (a setproctitle title): the flags are its parent's
-    engine = source(proc, pid=ENGINE)
-    assert await execute(engine, 5.0)
-    assert engine.launch_config("vllm-b") == lc
-
-
 def test_runtime_hands_the_launch_config_to_derive() -> None:
     from exporter.config import Config
     from exporter.runtime import Exporter, build_sources

@@ -18,17 +18,9 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from exporter.logs import log_event
 from exporter.sources import Clock, CollectError, ErrorKind, Health
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-    from exporter.catalogue import Family  # SHIM(issue 14): for families()
-    from exporter.model.advisor.types import MemoryState  # SHIM(issue 14)
-    from exporter.sources.procfs.source import ProcfsSource  # SHIM(issue 14)
 
 log = logging.getLogger("kvoe.cgroup")
 
@@ -251,7 +243,6 @@ class CgroupSource:
         cgroup_root: str | Path = "/sys/fs/cgroup",
         memory_limit: int | None = None,
         clock: Clock = time.time,
-        procfs: ProcfsSource | None = None,  # SHIM(issue 14): the runtime calls follow()
     ) -> None:
         self.target = target
         self.name = f"cgroup:{target}"
@@ -260,7 +251,6 @@ class CgroupSource:
         self.procfs_root = Path(procfs_root)
         self.cgroup_root = Path(cgroup_root)
         self.memory_limit = memory_limit or None
-        self.procfs = procfs  # SHIM(issue 14)
         self._followed_pid: int | None = None
         self._unreclaimable: int | None = None
         self._view: CgroupMemory | None = None
@@ -286,10 +276,6 @@ class CgroupSource:
         return self._view
 
     def _followed(self) -> tuple[int | None, int | None]:
-        if self.procfs is not None:  # SHIM(issue 14): asks the ProcfsSource directly
-            snap = self.procfs.snapshot()  # SHIM(issue 14)
-            used = snap.unreclaimable_bytes() if snap is not None else None  # SHIM(issue 14)
-            return self.procfs.root_pid(), used  # SHIM(issue 14)
         return self._followed_pid, self._unreclaimable
 
     async def collect(self) -> None:
@@ -341,24 +327,3 @@ class CgroupSource:
         if where.version == 2:
             return read_v2(where.base, where.rel, self.memory_limit)
         return read_v1(where.base, where.rel, self.memory_limit)
-
-    # SHIM(issue 14): removed when runtime.py switches; the old hooks, delegating.
-
-    def memory_state(self, target: str) -> MemoryState | None:
-        """The advisor's view: limit, non-reclaimable usage, the offload pool."""
-        view = self._view  # SHIM(issue 14)
-        if target != self.target or view is None:  # SHIM(issue 14)
-            return None  # SHIM(issue 14)
-        from exporter.model.advisor.types import MemoryState  # SHIM(issue 14)
-
-        pool = self.procfs.pool() if self.procfs is not None else None  # SHIM(issue 14)
-        return MemoryState(  # SHIM(issue 14)
-            limit_bytes=view.limit,
-            usage_bytes=view.headroom_usage,
-            pool_bytes=pool.bytes if pool is not None else None,
-        )
-
-    def families(self) -> Iterable[Family]:
-        from exporter.render.cgroup import cgroup_families  # SHIM(issue 14)
-
-        return cgroup_families(self.target, self._view)  # SHIM(issue 14)

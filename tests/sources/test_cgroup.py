@@ -21,7 +21,6 @@ from exporter.sources.cgroup import (
     read_v1,
     read_v2,
 )
-from tests.nvml_doubles import series
 from tests.proc_tree import API, CGROUP, GIB, MIB, VLLM_CGROUP, build_proc, source
 
 POD = VLLM_CGROUP.rsplit("/", 1)[0]
@@ -262,24 +261,3 @@ async def test_vanished_pid_without_limit_is_absent(tmp_path):
     cg = CgroupSource("t", pid=424242, procfs_root=proc, cgroup_root=CGROUP / "v2")
     assert not await execute(cg, 5.0)
     assert "424242" in (cg.health.error or "") and cg.health.errors_total == {}
-
-
-async def test_shims_ask_the_procfs_source_and_delegate(tmp_path):
-    # SHIM(issue 14): removed with the old hooks when runtime.py switches.
-    proc = build_proc(tmp_path)
-    procfs = source(proc)
-    cg = CgroupSource("vllm-b", procfs=procfs, procfs_root=proc, cgroup_root=CGROUP / "v2")
-    assert not await execute(cg, 5.0)
-    assert "not known yet" in (cg.health.error or "") and list(cg.families()) == []
-    assert await execute(procfs, 5.0)
-    assert await execute(cg, 5.0)
-    fams = series(cg.families())
-    assert fams["kvoffload_container_memory_limit_bytes"] == [({"target": "vllm-b"}, 32 * GIB)]
-    own = stat_of(level(VLLM_CGROUP) / "memory.stat")
-    assert fams["kvoffload_container_memory_shmem_bytes"] == [({"target": "vllm-b"}, own["shmem"])]
-    mem = cg.memory_state("vllm-b")
-    assert mem is not None
-    assert mem.limit_bytes == 32 * GIB
-    assert mem.usage_bytes == own["anon"] + own["shmem"]
-    assert mem.pool_bytes == 896 * MIB
-    assert cg.memory_state("another-target") is None

@@ -15,7 +15,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from exporter.logs import log_event
 from exporter.sources import Clock, CollectError, ErrorKind, Health
@@ -39,11 +38,6 @@ from exporter.sources.procfs.parsers import (
     role_of,
 )
 from exporter.vllm_cmdline import LaunchConfig, launch_config
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-    from exporter.catalogue import Family  # SHIM(issue 14): for families()
 
 log = logging.getLogger("kvoe.procfs")
 
@@ -74,6 +68,7 @@ class ProcfsSnapshot:
     # The vLLM server's KV-transfer configuration from its command line and environment;
     # None where no process of the tree (or its ancestors) carries serving flags.
     launch: LaunchConfig | None = None
+    argv: tuple[str, ...] = ()  # the vLLM server's command line (--record writes it)
 
     def unreclaimable_bytes(self) -> int | None:
         """Anon + shmem of the processes, each shared object once: what cannot be
@@ -261,24 +256,5 @@ class ProcfsSource:
             pool=pool,
             smaps_denied=tuple(denied),
             launch=launch_config(argv, environ) if argv else None,
+            argv=argv,
         )
-
-    # SHIM(issue 14): removed when runtime.py switches; the old hooks, delegating.
-
-    def root_pid(self) -> int | None:
-        """The last vLLM root process found (kept while a collection is in flight)."""
-        root = self.discovery.root  # SHIM(issue 14)
-        return root.pid if root is not None else None  # SHIM(issue 14)
-
-    def pool(self) -> PoolEstimate | None:
-        snap = self._snapshot  # SHIM(issue 14)
-        return snap.pool if snap is not None else None  # SHIM(issue 14)
-
-    def launch_config(self, target: str) -> LaunchConfig | None:
-        snap = self._snapshot  # SHIM(issue 14)
-        return snap.launch if target == self.target and snap is not None else None  # SHIM
-
-    def families(self) -> Iterable[Family]:
-        from exporter.render.procfs import procfs_families  # SHIM(issue 14)
-
-        return procfs_families(self.target, self._snapshot)  # SHIM(issue 14)

@@ -156,19 +156,6 @@ def test_unreclaimable_counts_a_region_shared_by_two_processes_once():
     assert replace(snap, processes=(parent, unknown)).unreclaimable_bytes() is None
 
 
-async def test_shims_delegate_to_the_snapshot_and_the_renderer(tmp_path):
-    # SHIM(issue 14): removed with the old hooks when runtime.py switches.
-    proc = build_proc(tmp_path)
-    src = source(proc)
-    assert src.root_pid() is None and src.pool() is None and list(src.families()) == []
-    assert await execute(src, 5.0)
-    snap = _snap(src)
-    assert src.root_pid() == API and src.pool() == snap.pool
-    assert snap.launch is not None and src.launch_config("vllm-b") == snap.launch
-    assert src.launch_config("another-target") is None
-    assert series(src.families()) == series(procfs_families("vllm-b", snap))
-
-
 # --- the whole exporter --------------------------------------------------------------------
 
 
