@@ -20,9 +20,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.logs import log_event
+from exporter.options import Option, Registration
 from exporter.sources import Clock, CollectError, ErrorKind, Health
 
 log = logging.getLogger("kvoe.cgroup")
+
+REGISTRATION = Registration(
+    "cgroup",
+    True,
+    "read the vLLM container's memory limit and usage",
+    (
+        Option("path.cgroup", "str", "/sys/fs/cgroup", "cgroup filesystem mount point", "PATH"),
+        Option(
+            "memory-limit",
+            "bytes",
+            0,
+            "vLLM container memory limit when its cgroup is not visible here (0: from the cgroup)",
+            "SIZE",
+        ),
+    ),
+)
 
 # cgroup v1 says "no limit" with LONG_MAX rounded down to a page (9223372036854771712);
 # anything this large is no limit on any real machine.
