@@ -3,6 +3,7 @@
 kv-offload-exporter [serve] --vllm-url URL [...]   run the exporter (default)
 kv-offload-exporter serve --check-config ...       validate the configuration, then exit
 kv-offload-exporter whatif --events FILE ...        offload hit ratio per CPU buffer size
+kv-offload-exporter replay DIR [--json] [flags]     the advice timeline of a recording
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from exporter.logs import log_event, setup_logging
 
 log = logging.getLogger("kvoe.cli")
 
-SUBCOMMANDS = ("serve", "advise", "whatif")
+SUBCOMMANDS = ("serve", "advise", "whatif", "replay")
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -149,4 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from exporter.whatif_cli import run as cmd_whatif
 
         return cmd_whatif(rest)
+    if command == "replay":
+        from exporter.replay import run as cmd_replay
+
+        return cmd_replay(rest)
     raise AssertionError(command)

@@ -172,6 +172,15 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "FILE",
     ),
     Option(
+        "record",
+        "str",
+        "",
+        "record what each target shows (its /metrics every cycle, its KV events, meta.json) "
+        "under DIR, one folder per target with several; replay with "
+        "`kv-offload-exporter replay DIR` (docs/advisor.md)",
+        "DIR",
+    ),
+    Option(
         "whatif-sizes",
         "bytes_list",
         [int(g * (1 << 30)) for g in (0.25, 0.5, 1, 2, 4, 8, 16)],
@@ -248,6 +257,7 @@ class Config:
     kv_events_replay_endpoint: Sequence[str] = ()
     kv_events_queue: int = 10000
     record_events: str = ""
+    record: str = ""
     whatif_sizes: Sequence[int] = tuple(int(g * (1 << 30)) for g in (0.25, 0.5, 1, 2, 4, 8, 16))
     whatif_policy: str = "lru"
     whatif_store_threshold: int = 0

@@ -25,6 +25,7 @@ from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.pipeline import CycleResult, Pipeline
 from exporter.model.whatif.engine import WhatIfSettings
 from exporter.options import TargetConfig
+from exporter.recording import Writer, kv_events_path
 from exporter.render.advice import advice_families
 from exporter.render.backends import backend_families
 from exporter.render.cgroup import cgroup_families
@@ -73,6 +74,16 @@ def whatif_settings(cfg: Config) -> WhatIfSettings:
     )
 
 
+def record_dir(cfg: Config, label: str) -> Path | None:
+    """Where --record DIR writes a target's recording: DIR itself for a single target."""
+    if not cfg.record:
+        return None
+    base = Path(cfg.record)
+    if len(cfg.targets) == 1:
+        return base
+    return base / "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
+
+
 def kv_events_settings(cfg: Config, target: TargetConfig) -> KvEventsSettings:
     """A target's endpoints: its own (YAML targets[]), else the flags for a single target."""
     per = cfg.kv_events_targets.get(target.label, {})
@@ -87,7 +98,8 @@ def kv_events_settings(cfg: Config, target: TargetConfig) -> KvEventsSettings:
             or (cfg.kv_events_replay_endpoint if single else ())
         ),
         queue_size=cfg.kv_events_queue,
-        record_path=_record_path(cfg.record_events, target.label, single),
+        record_path=_record_path(cfg.record_events, target.label, single)
+        or str(kv_events_path(directory) if (directory := record_dir(cfg, target.label)) else ""),
     )
 
 
@@ -189,6 +201,12 @@ class Exporter:
         self.pipeline = Pipeline(
             cfg.thresholds, confirm=cfg.advice_confirm_cycles, whatif=whatif_settings(cfg)
         )
+        self.recorders = {
+            ts.label: Writer(directory)
+            for ts in self.watched
+            if (directory := record_dir(cfg, ts.label)) is not None
+        }
+        self._meta: dict[str, dict[str, object]] = {}
         self.result = CycleResult(0.0, ())
         self.exposition = Exposition(self._self_families())
         self.cycles = 0
@@ -209,6 +227,41 @@ class Exporter:
                 await src.stop()
             except Exception:
                 log.exception("source %s failed to stop", src.name)
+        for writer in self.recorders.values():
+            writer.close()
+
+    def _record(self, now: float) -> None:
+        """--record: this cycle's scrape of each target, and meta.json when it changes."""
+        reading = self.nvml.snapshot() if self.nvml is not None else None
+        derived = self.result.derived()
+        for ts in self.watched:
+            writer = self.recorders.get(ts.label)
+            if writer is None:
+                continue
+            snap = ts.target.snapshot()
+            procfs = ts.procfs.snapshot() if ts.procfs is not None else None
+            per_token = next(
+                (d.kv_bytes_per_token for d in derived.get(ts.label, ()) if d.kv_bytes_per_token),
+                None,
+            )
+            meta: dict[str, object] = {
+                "vllm_argv": list(procfs.argv) if procfs is not None and procfs.argv else None,
+                "link_bandwidth_bytes_per_second": reading.link_bandwidth if reading else None,
+                "kv_bytes_per_token": per_token,
+                "vllm_version": snap.version,
+                "exporter_version": __version__,
+            }
+            meta = {k: v for k, v in meta.items() if v is not None}
+            try:
+                writer.write_scrape(now, snap.body, None if snap.health.up else snap.health.error)
+                if meta != self._meta.get(ts.label):
+                    writer.write_meta(meta)
+                    self._meta[ts.label] = meta
+            except OSError as exc:
+                # A full disk stops the recording, never the exporter.
+                log_event(log, logging.ERROR, "record_failed", target=ts.label, error=str(exc))
+                writer.close()
+                del self.recorders[ts.label]
 
     def link_bandwidth(self) -> float | None:
         """Slowest host link among the GPUs, bytes/s; None without a GPU collector."""
@@ -263,6 +316,8 @@ class Exporter:
         now = self.clock()
         self.result = self.pipeline.step(self.inputs(now))
         self.exposition = Exposition(self.families())
+        if self.recorders:
+            await asyncio.to_thread(self._record, now)
         self.cycles += 1
         self.last_cycle = now
 

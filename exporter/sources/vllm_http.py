@@ -48,6 +48,7 @@ class TargetSnapshot:
     version: str | None
     series_dropped_total: int
     health: SourceState
+    body: bytes | None = None  # the last /metrics body read (None: the last scrape failed)
 
 
 # (url, body size limit) -> body; raises CollectError. Replaces HTTP for recorded data.
@@ -75,6 +76,7 @@ class VllmTarget:
         self.timeout = timeout
         self.max_body_bytes = max_body_bytes
         self.version: str | None = None
+        self.body: bytes | None = None
         self.invalid_series: tuple[str, ...] = ()
         self.series_dropped_total = 0
         self.dropped_engines = 0  # in the last scrape; logged when it changes
@@ -132,7 +134,9 @@ class VllmTarget:
             raise CollectError(ErrorKind.CONNECT, f"GET {url}: {exc}") from None
 
     async def collect(self) -> None:
+        self.body = None
         body = await self._fetch(self.config.metrics_url, self.max_body_bytes)
+        self.body = body
         try:
             # Parsing an 8-engine body takes a few ms of CPU: off the event loop, so
             # /metrics requests arriving meanwhile are not held behind it.
@@ -213,4 +217,5 @@ class VllmTarget:
             version=self.version,
             series_dropped_total=self.series_dropped_total,
             health=self.health.state(),
+            body=self.body,
         )

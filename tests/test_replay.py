@@ -1,0 +1,215 @@
+"""`kv-offload-exporter replay`: a recording through the whole pipeline on its own clock, and
+`--record` writing what replay reads."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from exporter.cli import main
+from exporter.config import Config
+from exporter.model.advisor.types import Action
+from exporter.options import TargetConfig
+from exporter.recording import (
+    Meta,
+    RecordingError,
+    Writer,
+    read_kv_events,
+    read_meta,
+    read_scrapes,
+)
+from exporter.replay import recordings, replay_one, scrape_interval
+from exporter.runtime import Exporter, build_sources
+from exporter.thresholds import DEFAULT
+from testbed.replay import ReplayServer, Reply
+from tests.nvml_doubles import FakeClock
+
+GPU = Path(__file__).parent / "fixtures" / "gpu"
+LARGE_B = GPU / "large-b"
+GIB = 1 << 30
+
+
+def recording_of(run: Path, dest: Path, *, meta: bool = True) -> Path:
+    """A recording directory from a GPU acceptance run's files (the same formats)."""
+    dest.mkdir(parents=True)
+    shutil.copy(run / "vllm_metrics.jsonl.xz", dest / "metrics.jsonl.xz")
+    shutil.copy(run / "kv_events.jsonl.xz", dest / "kv_events.jsonl.xz")
+    if meta:
+        info = json.loads((run / "run.json").read_text())
+        cmd = (run / "cmd.txt").read_text().split("\n\n")[0].strip()
+        argv = [p.strip("'") for p in re.findall(r"'[^']*'|\S+", cmd)]
+        doc = {"vllm_argv": argv, "kv_bytes_per_token": info["kv_bytes_per_token"]}
+        (dest / "meta.json").write_text(json.dumps(doc))
+    return dest
+
+
+def short_run_config(**kw: object) -> Config:
+    # The recorded runs are 24-40 s long: decide after 15 s instead of the default 120.
+    return replace(Config(thresholds=replace(DEFAULT, min_window_seconds=15)), **kw)  # type: ignore[arg-type]
+
+
+def test_replay_of_a_recorded_offload_run_gives_its_timeline_and_curve(tmp_path: Path) -> None:
+    rec = recording_of(LARGE_B, tmp_path / "large-b")
+    r = replay_one(rec, short_run_config())
+    assert r.scrapes == 25 and r.target == "large-b"
+    first = r.timeline[0]
+    assert (first.t, first.action, first.reason) == (0.0, "insufficient_data", "window_too_short")
+    # Entries are changes only: no two consecutive entries of an engine are the same.
+    pairs = list(zip(r.timeline, r.timeline[1:], strict=False))
+    assert all(
+        (a.action, a.reason, a.pending_action) != (b.action, b.reason, b.pending_action)
+        or a.recommended_buffer_bytes != b.recommended_buffer_bytes
+        for a, b in pairs
+    )
+    (engine,) = r.final.targets[0].engines
+    assert engine.whatif is not None
+    sizes = [p.cpu_buffer_bytes for p in engine.whatif.points]
+    assert sizes == [float(b) for b in Config().whatif_sizes]
+    ratios = [p.hit_ratio for p in engine.whatif.points]
+    assert ratios == sorted(ratios) and ratios[-1] > 0  # a bigger LRU tier never hits less
+
+
+def test_replay_reproduces_what_the_live_exporter_decided(tmp_path: Path) -> None:
+    """The same bodies at the same times: the live exporter (recording with --record) and
+    the replay of its recording reach the same advice at every cycle."""
+    scrapes = read_scrapes(recording_of(LARGE_B, tmp_path / "src", meta=False))
+    clock = FakeClock(scrapes[0].t)
+    out = tmp_path / "recorded"
+    with ReplayServer([Reply(body=(s.body or "").encode()) for s in scrapes]) as srv:
+        cfg = short_run_config(
+            targets=(TargetConfig(url=srv.url, name="live", kv_bytes_per_token=262144),),
+            interval=1.0,
+            nvml=False,
+            procfs=False,
+            cgroup=False,
+            kv_events=False,
+            record=str(out),
+        )
+        exporter = Exporter(cfg, build_sources(cfg, clock), clock=clock)
+
+        async def drive() -> list[tuple[str, str]]:
+            await exporter.start()
+            seen = []
+            try:
+                for s in scrapes:
+                    clock.t = s.t
+                    await exporter.run_cycle()
+                    seen += [(str(a.action), str(a.reason)) for _, a in exporter.advice["live"]]
+            finally:
+                await exporter.stop()
+            return seen
+
+        import asyncio
+
+        live = asyncio.run(drive())
+    recorded = read_scrapes(out)
+    assert [s.t for s in recorded] == [s.t for s in scrapes]
+    assert read_meta(out).vllm_argv is None  # procfs off: nothing to say about the command
+    assert read_meta(out).kv_bytes_per_token == 262144
+    cfg = short_run_config(kv_bytes_per_token=262144.0)
+    r = replay_one(out, cfg)
+    replayed = []
+    last = None
+    steps = iter(r.timeline)
+    # Expand the change-only timeline back to one entry per cycle.
+    pending = next(steps, None)
+    for s in recorded:
+        while pending is not None and pending.t <= s.t - recorded[0].t + 1e-9:
+            last = (pending.action, pending.reason)
+            pending = next(steps, None)
+        replayed.append(last)
+    assert replayed == live
+    assert any(action != "insufficient_data" for action, _ in live)
+
+
+def test_replay_json_document_has_the_specified_fields(tmp_path: Path, capsys) -> None:
+    rec = recording_of(LARGE_B, tmp_path / "large-b")
+    assert main(["replay", str(rec), "--json", "--threshold", "min_window_seconds=15"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    step_keys = {
+        "t",
+        "target",
+        "model_name",
+        "engine",
+        "action",
+        "reason",
+        "recommended_buffer_bytes",
+        "pending_action",
+    }
+    assert doc["timeline"] and all(set(s) == step_keys for s in doc["timeline"])
+    (final,) = doc["final"]
+    assert step_keys - {"t"} <= set(final)
+    assert {"explanation", "numbers", "whatif"} <= set(final)
+    assert final["action"] in {str(a) for a in Action}
+    for point in final["whatif"]:
+        assert set(point) == {
+            "cpu_buffer_bytes",
+            "offload_hit_ratio",
+            "ttft_saved_seconds_per_second",
+        }
+    assert len(final["whatif"]) == len(Config().whatif_sizes)
+
+
+def test_replay_flags_apply_as_live(tmp_path: Path) -> None:
+    rec = recording_of(LARGE_B, tmp_path / "large-b")
+    default = replay_one(rec, Config())
+    # Default thresholds need 120 s of data: a 24 s recording never decides.
+    assert {s.action for s in default.timeline} == {"insufficient_data"}
+    sizes = (1 * GIB, 3 * GIB)
+    custom = replay_one(rec, short_run_config(whatif_sizes=sizes))
+    (engine,) = custom.final.targets[0].engines
+    assert engine.whatif is not None
+    assert [p.cpu_buffer_bytes for p in engine.whatif.points] == [float(s) for s in sizes]
+
+
+def test_a_folder_of_recordings_replays_each(tmp_path: Path, capsys) -> None:
+    recording_of(LARGE_B, tmp_path / "all" / "a")
+    recording_of(LARGE_B, tmp_path / "all" / "b", meta=False)
+    assert [p.name for p in recordings(tmp_path / "all")] == ["a", "b"]
+    assert main(["replay", str(tmp_path / "all"), "--threshold", "min_window_seconds=15"]) == 0
+    text = capsys.readouterr().out
+    assert "a: 25 scrapes" in text and "b: 25 scrapes" in text
+
+
+def test_bad_recordings_are_clear_errors(tmp_path: Path, capsys) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["replay", str(empty)]) == 1
+    assert "not a recording" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text('{"t": 1.0, "body": "x"}\nnot json\n')
+    with pytest.raises(RecordingError, match=r"metrics.jsonl:2"):
+        read_scrapes(bad)
+    (bad / "metrics.jsonl").write_text('{"t": 1.0, "body": "x"}\n')
+    (bad / "meta.json").write_text('{"vllm_argv": "vllm serve"}')
+    assert main(["replay", str(bad)]) == 1
+    assert "vllm_argv must be a list" in capsys.readouterr().err
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    data = lzma.compress(b'{"t": 1.0, "body": "x"}\n' * 100)
+    (truncated / "metrics.jsonl.xz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(RecordingError):
+        read_scrapes(truncated)
+
+
+def test_writer_round_trip_keeps_failed_scrapes_and_meta(tmp_path: Path) -> None:
+    w = Writer(tmp_path / "rec")
+    w.write_scrape(10.0, b"# body one\n")
+    w.write_scrape(11.0, None, "GET http://x/metrics: HTTP 500")
+    w.write_meta({"kv_bytes_per_token": 114688, "vllm_argv": ["vllm", "serve", "m"]})
+    w.close()
+    got = read_scrapes(tmp_path / "rec")
+    assert [(s.t, s.body, s.error) for s in got] == [
+        (10.0, "# body one\n", None),
+        (11.0, None, "GET http://x/metrics: HTTP 500"),
+    ]
+    assert read_meta(tmp_path / "rec") == Meta(("vllm", "serve", "m"), None, 114688.0, {})
+    assert scrape_interval(got) == 1.0
+    assert list(read_kv_events(tmp_path / "rec")) == []
