@@ -212,6 +212,16 @@ def deploy_manifests() -> dict[str, str]:
     }
 
 
+def golden_exposition() -> dict[str, str]:
+    """tests/fixtures/e2e/expected.prom: every source on fixture data, a fixed clock
+    (tests/golden.py). Its diff is reviewed like code."""
+    import asyncio
+
+    from tests.golden import EXPECTED, golden_exposition
+
+    return {str(EXPECTED.relative_to(REPO)): asyncio.run(golden_exposition())}
+
+
 GENERATORS: list[Generator] = [
     advice_catalogue,
     advisor_doc,
@@ -219,6 +229,7 @@ GENERATORS: list[Generator] = [
     alert_rules,
     dashboards,
     deploy_manifests,
+    golden_exposition,
 ]
 
 
