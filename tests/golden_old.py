@@ -6,7 +6,6 @@ import asyncio
 import json
 import lzma
 import platform
-import queue
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,15 +14,11 @@ import zmq
 
 from exporter.config import Config
 from exporter.options import TargetConfig
-from exporter.runtime import Exporter
+from exporter.runtime import Exporter, kv_events_settings
 from exporter.sources.cgroup import CgroupSource
-from exporter.sources.kv_events import (
-    KvEventsSettings,
-    KvEventsSource,
-    Receiver,
-    Simulator,
-    StreamSpec,
-)
+from exporter.sources.kv_events.discovery import StreamSpec
+from exporter.sources.kv_events.receiver import Receiver
+from exporter.sources.kv_events.source import KvEventsSource
 from exporter.sources.nvml.source import NvmlSource
 from exporter.sources.procfs.source import ProcfsSource
 from exporter.sources.vllm_http import VllmTarget
@@ -113,15 +108,11 @@ async def main() -> str:
     cg = CgroupSource(
         "e2e", procfs=procfs, pid=2614, procfs_root=proc, cgroup_root=CGROUP / "v2", clock=clock
     )
-    from exporter.sources.kv_events import settings_for
-
-    settings = settings_for(cfg, tc)
-    kv = KvEventsSource(target, settings, clock=clock)
+    kv = KvEventsSource(target, kv_events_settings(cfg, tc), clock=clock)
     spec = StreamSpec(0, "tcp://127.0.0.1:1", False)
     stop = __import__("threading").Event()
     kv.receiver = Receiver(zmq.Context.instance(), [spec], kv.queue, kv.counters, stop)
     kv.receiver.is_alive = lambda: True
-    kv.simulator = Simulator(kv.queue, settings, stop)
     exp = Exporter(cfg, [target, nvml, procfs, cg, kv], clock=clock)
     await target.start()
     rows = len(load_fast("b_offload"))
@@ -140,14 +131,9 @@ async def main() -> str:
                 spec, [e["topic"].encode(), e["seq"].to_bytes(8, "big"), enc.encode(e["payload"])]
             )
             ei += 1
-        sim = kv.simulator
-        sim._apply_config()
-        while True:
-            try:
-                sim.handle(kv.queue.get_nowait())
-            except queue.Empty:
-                break
-        sim.publish()
+        # run_cycle: kv.collect() drains and decodes the queue, the pipeline steps the
+        # what-if with its items (the configs planned in the previous cycle first), then
+        # derives, advises, plans and renders.
         await exp.run_cycle()
     await target.stop()
     return exp.exposition.text.decode()

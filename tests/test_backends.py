@@ -17,10 +17,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import queue
 import shlex
 import subprocess
-import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,25 +29,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.whatif_vs_observed import observed, open_text, read_text, windowed_hits
 from exporter import expfmt
-from exporter.catalogue import CATALOGUE
-from exporter.kvevents_codec import Message, read_records
+from exporter.catalogue import CATALOGUE, Family
+from exporter.kvevents_codec import Message, decode_payload, read_records
 from exporter.lmcache import lmcache_samples
 from exporter.model.advisor.rules import evaluate
 from exporter.model.advisor.types import Action, AdvisorInput, PolicyPoint, WhatIfPoint, WhatIfState
 from exporter.model.derive.backends import nixl_link_type
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
 from exporter.model.derive.peers import with_peer_recompute
+from exporter.model.whatif.engine import POLICY_COMBOS, EngineSim, SimConfig, WhatIf, WhatIfSettings
+from exporter.model.whatif.plan import sim_config
 from exporter.model.whatif.simulator import blocks_for_bytes
+from exporter.model.whatif.view import engine_rank, policy_points, whatif_state
 from exporter.options import TargetConfig
 from exporter.render.backends import backend_families
-from exporter.sources.kv_events.source import (
-    POLICY_COMBOS,
-    KvEventsSettings,
-    KvEventsSource,
-    SimConfig,
-    Simulator,
-    _EngineSim,
-)
+from exporter.render.whatif import whatif_families
+from exporter.sources.kv_events.source import StreamItem
 from exporter.sources.vllm_http import VllmTarget
 from exporter.thresholds import DEFAULT
 from exporter.vllm_cmdline import LaunchConfig, launch_config, parse_environ
@@ -541,13 +536,13 @@ def test_policy_whatif_predicts_the_real_arc_and_threshold_runs(
     """The exporter's policy simulators on the no-offload events vs the offload runs' own
     external_kv_transfer share (the prompts are identical: fixed seeds)."""
     blocks = blocks_for_bytes(int(size * GIB), CHUNK)
-    sim = _EngineSim(0, KvEventsSettings(sizes_bytes=(int(size * GIB),)))
+    sim = EngineSim(0, WhatIfSettings(sizes_bytes=(int(size * GIB),)))
     sim.configure(SimConfig((blocks,), None, policy_blocks=blocks))
     for msg in small_a_events:
         sim.process(msg)
     t0, t1 = _count_window(wl)
     i = POLICY_COMBOS.index(combo)
-    hits = sum(b[1 + i] for b in sim.policy_buckets if t0 <= b[0] < t1)
+    hits = sum(b.hits[i] for b in sim.snapshot().policy_buckets if t0 <= b.start < t1)
     ext, prompt = observed(GPU / f"small-eager-{wl}" / run)
     assert abs(hits / prompt - ext / prompt) <= 0.01, (hits / prompt, ext / prompt)
     # and the same hits as the offline what-if's own replay of the same window
@@ -557,10 +552,41 @@ def test_policy_whatif_predicts_the_real_arc_and_threshold_runs(
     assert hits == offline
 
 
+class _Whatif:
+    """One target's what-if as the exporter's pipeline steps, plans and reads it."""
+
+    def __init__(self, target: VllmTarget, settings: WhatIfSettings, recommended: float | None):
+        self.target = target
+        self.label = target.config.label
+        self.sim = WhatIf(settings)
+        self.recommended = recommended
+
+    def plan(self, d: EngineDerived) -> None:
+        rank = engine_rank(d.key)
+        cfg = sim_config(d, self.sim.settings, self.recommended)
+        if rank is not None and cfg is not None:
+            self.sim.configure(rank, cfg)  # applied by the next step
+
+    def policy_points(self, d: EngineDerived) -> tuple[PolicyPoint, ...]:
+        rank = engine_rank(d.key)
+        assert rank is not None
+        es = self.sim.snapshots().get(rank)
+        planned = self.sim.planned(rank)
+        return policy_points(es, self.target.window, d, planned, self.recommended)
+
+    def whatif_families(self, d: EngineDerived) -> list[Family]:
+        """The rendered what-if, planned first as the pipeline does before rendering."""
+        self.plan(d)
+        rank = engine_rank(d.key)
+        es = self.sim.snapshots().get(rank) if rank is not None else None
+        state = whatif_state(es, self.target.window, d, self.sim.settings.sizes_bytes)
+        return whatif_families(self.label, [(d.key, state, self.policy_points(d))])
+
+
 async def _replay_exporter(
     config: str, launch: LaunchConfig | None, recommended: float | None
-) -> tuple[VllmTarget, KvEventsSource, EngineDerived]:
-    """The recorded 1 s scrapes and KV events through VllmTarget, derive and KvEventsSource."""
+) -> tuple[VllmTarget, _Whatif, EngineDerived]:
+    """The recorded 1 s scrapes and KV events through VllmTarget, derive and the what-if."""
     scrapes = _scrapes(config)
     msgs = _events(config)
     now = [0.0]
@@ -572,10 +598,7 @@ async def _replay_exporter(
         max_body_bytes=1 << 24,
         clock=lambda: now[0],
     )
-    settings = KvEventsSettings(sizes_bytes=(GIB // 4, GIB // 2))
-    source = KvEventsSource(target, settings)
-    sim = Simulator(queue.Queue(), settings, threading.Event())
-    source.simulator = sim
+    source = _Whatif(target, WhatIfSettings(sizes_bytes=(GIB // 4, GIB // 2)), recommended)
     enc = msgspec.msgpack.Encoder()
     fed = 0
     d: EngineDerived | None = None
@@ -584,13 +607,14 @@ async def _replay_exporter(
         try:
             for s in scrapes:
                 t = float(s["t"])
-                sim._apply_config()
+                items: list[StreamItem] = []
                 while fed < len(msgs) and msgs[fed].batch.ts <= t:
                     m = msgs[fed]
                     payload = enc.encode([m.batch.ts, m.raw[1], m.batch.dp_rank or 0])
-                    sim.handle((0, m.seq, m.topic.encode(), payload))
+                    batch, _ = decode_payload(payload)  # as KvEventsSource decodes it
+                    items.append(StreamItem(0, Message(m.topic, m.seq, batch, None)))
                     fed += 1
-                sim.publish()
+                source.sim.step(items)  # the config planned last cycle first
                 now[0] = t
                 await target.collect()
                 ds = DeriveSettings(
@@ -598,16 +622,15 @@ async def _replay_exporter(
                 )
                 d = derive_engine(target.window, E0, t, ds)
                 assert d is not None
-                source.note_recommended(config, E0, recommended)
-                source.observe({config: [d]})
+                source.plan(d)
         finally:
             await target.stop()
     assert d is not None
     return target, source, d
 
 
-def _policy_ratios(source: KvEventsSource, d: EngineDerived) -> dict[tuple[str, str], float]:
-    fams = {f.definition.name: f for f in source.derived_families({source.label: [d]})}
+def _policy_ratios(source: _Whatif, d: EngineDerived) -> dict[tuple[str, str], float]:
+    fams = {f.definition.name: f for f in source.whatif_families(d)}
     return {
         (labels[3], labels[4]): v for labels, v in fams["kvoffload_whatif_policy_hit_ratio"].samples
     }
@@ -634,7 +657,7 @@ def test_exporter_policy_whatif_on_the_real_arc_run() -> None:
     assert ratios[("arc", "0")] == configured.hit_ratio
     assert ratios[("arc", "0")] > ratios[("lru", "0")] + DEFAULT.whatif_gain_material
     # the configured-size simulation uses the engine's own policy, not --whatif-policy (lru)
-    fams = {f.definition.name: f for f in source.derived_families({source.label: [d]})}
+    fams = {f.definition.name: f for f in source.whatif_families(d)}
     ((_, conf),) = fams["kvoffload_whatif_configured_hit_ratio"].samples
     assert conf == pytest.approx(configured.hit_ratio)
 

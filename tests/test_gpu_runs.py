@@ -2,10 +2,11 @@
 
 Each configuration's recorded 1 s sequence of vLLM /metrics bodies is served in order by
 testbed.replay and scraped by the real VllmTarget (the exporter's clock set to the recorded
-scrape time), its window goes through exporter.model.derive.engines.derive_engine, the recorded KV events
-go through the real KvEventsSource simulator (fed the messages vLLM had published by each
-scrape; the simulator thread's loop is run inline) and exporter.model.advisor.hysteresis.Advisor decides with
-its hysteresis, cycle by cycle as the live exporter did. GPU link, memory limit and PCIe
+scrape time), its window goes through exporter.model.derive.engines.derive_engine, the
+recorded KV events go through the exporter's what-if stepper (exporter.model.whatif.engine
+.WhatIf, stepped with the messages vLLM had published by each scrape, planned by
+exporter.model.whatif.plan) and exporter.model.advisor.hysteresis.Advisor decides with its
+hysteresis, cycle by cycle as the live exporter did. GPU link, memory limit and PCIe
 utilisation are what the live exporter exported at the time (its recorded /metrics).
 
 Asserted against the raw recordings, never against numbers copied from a run:
@@ -28,10 +29,8 @@ import asyncio
 import functools
 import json
 import math
-import queue
 import re
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,13 +40,16 @@ import msgspec
 import pytest
 
 from bench.whatif_vs_observed import open_text, read_text
-from exporter.kvevents_codec import Message, read_records
+from exporter.kvevents_codec import Message, decode_payload, read_records
 from exporter.model.advisor.hysteresis import Advisor
 from exporter.model.advisor.rules import evaluate
 from exporter.model.advisor.types import Action, Advice, AdvisorInput, MemoryState
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
+from exporter.model.whatif.engine import WhatIf, WhatIfSettings
+from exporter.model.whatif.plan import sim_config
 from exporter.model.whatif.simulator import blocks_for_bytes
-from exporter.sources.kv_events.source import KvEventsSettings, KvEventsSource, Simulator
+from exporter.model.whatif.view import engine_rank, whatif_state
+from exporter.sources.kv_events.source import StreamItem
 from exporter.sources.nvml.poller import WrapCounter, link_bandwidth_bytes, max_poll_gap
 from exporter.sources.procfs.parsers import offload_pool, parse_smaps, parse_status
 from exporter.thresholds import DEFAULT, Thresholds
@@ -243,14 +245,12 @@ async def _replay(run: Run, th: Thresholds, until: float | None, kv_override: bo
     # The what-if set up for the run's CPU tier, as an operator would (--whatif-policy,
     # --whatif-store-threshold); the live run left both at their defaults.
     extra = run.extra
-    settings = KvEventsSettings(
+    settings = WhatIfSettings(
         sizes_bytes=_whatif_sizes(run),
         policy=str(extra.get("eviction_policy", "lru")),
         store_threshold=int(extra.get("store_threshold", 0)),
     )
-    source = KvEventsSource(target, settings)
-    sim = Simulator(queue.Queue(), settings, threading.Event())
-    source.simulator = sim
+    sim = WhatIf(settings)
     msgs = run.events()
     advisor = Advisor(th, confirm=3)
     cycles: list[Cycle] = []
@@ -260,13 +260,14 @@ async def _replay(run: Run, th: Thresholds, until: float | None, kv_override: bo
         try:
             for s in scrapes:
                 t = float(s["t"])
-                sim._apply_config()  # the simulator thread applies a new size before the next batch
+                items: list[StreamItem] = []
                 while fed < len(msgs) and msgs[fed].batch.ts <= t:
                     m = msgs[fed]
                     payload = ENC.encode([m.batch.ts, m.raw[1], m.batch.dp_rank or 0])
-                    sim.handle((0, m.seq, m.topic.encode(), payload))
+                    batch, _ = decode_payload(payload)  # as KvEventsSource decodes it
+                    items.append(StreamItem(0, Message(m.topic, m.seq, batch, None)))
                     fed += 1
-                sim.publish()
+                sim.step(items)  # a size planned last cycle is applied before the batches
                 now[0] = t
                 await target.collect()
                 view = _exporter_view(run, t)
@@ -280,7 +281,7 @@ async def _replay(run: Run, th: Thresholds, until: float | None, kv_override: bo
                     inp = AdvisorInput(
                         derived=d,
                         covered_seconds=target.window.covered_seconds(),
-                        whatif=source.whatif_state(label, ek, d),
+                        whatif=_whatif(sim, target.window, d),
                         memory=_memory(view, d),
                         pcie_utilization=_pcie(view),
                     )
@@ -288,6 +289,18 @@ async def _replay(run: Run, th: Thresholds, until: float | None, kv_override: bo
         finally:
             await target.stop()
     return cycles
+
+
+def _whatif(sim: WhatIf, window: Any, d: EngineDerived) -> Any:
+    """The advisor's what-if, planned and read as the exporter does (this replay notes no
+    recommendation: the policy comparison stays off)."""
+    rank = engine_rank(d.key)
+    cfg = sim_config(d, sim.settings, None)
+    if rank is None:
+        return None
+    if cfg is not None:
+        sim.configure(rank, cfg)  # applied by the next step
+    return whatif_state(sim.snapshots().get(rank), window, d, sim.settings.sizes_bytes)
 
 
 @functools.cache

@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import pytest
 import zmq
 
+from exporter.model.whatif.engine import WhatIf, WhatIfSettings
+from exporter.options import TargetConfig
+from exporter.render.kv_events import kv_events_families
 from exporter.sources import ErrorKind, execute
 from exporter.sources.kv_events.source import KvEventsSettings, KvEventsSource
-from exporter.sources.vllm_http import TargetConfig, VllmTarget
+from exporter.sources.vllm_http import VllmTarget
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
 from testbed.procs import free_port
 
@@ -89,17 +92,46 @@ async def _until(what: str, check: Callable[[], bool], timeout: float = 30.0) ->
         await asyncio.sleep(0.02)
 
 
-def _series(src: KvEventsSource) -> dict[str, list[tuple[tuple[str, ...], float]]]:
-    return {f.definition.name: list(f.samples) for f in src.families() if len(f)}
-
-
 @dataclass
 class Rig:
     src: KvEventsSource
     pub: Publisher
+    sim: WhatIf = field(default_factory=lambda: WhatIf(WhatIfSettings()))
+
+    async def collect(self) -> None:
+        """The exporter's cycle: collect, then step the what-if with the items."""
+        await self.src.collect()
+        self.step()
+
+    def step(self) -> None:
+        snap = self.src.snapshot()
+        if snap is not None:
+            self.sim.step(snap.items)
+
+    async def execute(self) -> bool:
+        ok = await execute(self.src, 5.0)
+        self.step()
+        return ok
+
+    def series(self) -> dict[str, list[tuple[tuple[str, ...], float]]]:
+        latest = self.src.target.window.latest
+        keys = latest.engines if latest is not None else ()
+        fams = kv_events_families(self.src.label, self.src.snapshot(), keys, self.sim.snapshots())
+        return {f.definition.name: list(f.samples) for f in fams if len(f)}
 
     def stream(self):  # the receiver's counters of rank 0
         return self.src.counters.streams[0]
+
+    async def until(self, what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+        """As _until, running the exporter's cycle (collect, step) first each time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            await self.collect()
+            if check():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not reached within {timeout:.0f}s: {what}")
+            await asyncio.sleep(0.02)
 
     async def join(self) -> None:
         """Send until the subscription is live (ZMQ's slow joiner): no gap is left."""
@@ -109,7 +141,9 @@ class Rig:
             self.pub.send()
             await asyncio.sleep(0.02)
             c = self.src.counters.streams.get(0)
-            if c is not None and c.batches > seen:
+            received = c is not None and c.batches > seen
+            await self.collect()  # drained as the exporter's cycle would (QUEUE = 4)
+            if received:
                 return
         raise AssertionError("subscriber never received a batch")
 
@@ -149,9 +183,9 @@ async def test_sequence_gap_is_counted_and_visible(rig: Rig) -> None:
     await _until("the batch after the gap", lambda: rig.stream().batches == before + 6)
     assert rig.stream().gaps == 1
     assert rig.stream().lost == 3  # no replay endpoint configured: lost, and said so
-    assert await execute(rig.src, 5.0)  # a gap is counted, the collector stays up
+    assert await rig.execute()  # a gap is counted, the collector stays up
     assert rig.src.health.errors_total.get(ErrorKind.SEQ_GAP) == 1
-    fams = _series(rig.src)
+    fams = rig.series()
     assert [v for _, v in fams["kvoffload_kv_event_gaps_total"]] == [1]
     assert [v for _, v in fams["kvoffload_kv_events_lost_total"]] == [3]
 
@@ -161,13 +195,14 @@ async def test_publisher_restart_resets_the_simulation_not_the_counters(rig: Rig
     for _ in range(10):
         rig.pub.send()
         await asyncio.sleep(0.05)  # paced: nothing dropped at the queue (QUEUE = 4)
-    await _until("batches simulated", lambda: rig.src.queue.qsize() == 0)
+        await rig.collect()  # the exporter's cycle drains it
+    await rig.until("batches simulated", lambda: rig.src.queue.qsize() == 0)
     assert rig.src.counters.dropped == 0
-    await _until(
+    await rig.until(
         "blocks resident",
         lambda: any(
             v >= 10 and labels[-1] == "GPU"
-            for labels, v in _series(rig.src).get("kvoffload_kv_resident_blocks", [])
+            for labels, v in rig.series().get("kvoffload_kv_resident_blocks", [])
         ),
     )
     # vLLM restarts: a new publisher on the same address, sequence back at 0.
@@ -176,17 +211,17 @@ async def test_publisher_restart_resets_the_simulation_not_the_counters(rig: Rig
     await rig.join()
     assert rig.stream().restarts == 1
     assert rig.stream().gaps == 0  # a restart is not a gap
-    assert await execute(rig.src, 5.0)
-    restarts = _series(rig.src)["kvoffload_kv_event_publisher_restarts_total"]
+    assert await rig.execute()
+    restarts = rig.series()["kvoffload_kv_event_publisher_restarts_total"]
     assert [v for _, v in restarts] == [1.0]
 
     def resident() -> float:
-        fams = _series(rig.src)
+        fams = rig.series()
         return next(v for labels, v in fams["kvoffload_kv_resident_blocks"] if labels[-1] == "GPU")
 
     # The simulated cache starts cold: only blocks stored since the restart are resident.
     since = rig.pub.seq
-    await _until("restart applied", lambda: resident() <= since)
+    await rig.until("restart applied", lambda: resident() <= since)
     assert resident() <= since
     assert rig.src.health.errors_total.get(ErrorKind.SEQ_GAP) is None
 
@@ -194,15 +229,14 @@ async def test_publisher_restart_resets_the_simulation_not_the_counters(rig: Rig
 async def test_flood_beyond_the_queue_drops_and_counts(rig: Rig) -> None:
     await rig.join()
     received0 = rig.stream().batches
-    processed0 = rig.src.simulator.processed if rig.src.simulator else 0
+    processed0 = rig.sim.processed
     sent = 3000
     for _ in range(sent):
         rig.pub.send(blocks=64)  # heavy batches: the simulator cannot keep up
     await _until("all batches received", lambda: rig.stream().batches >= received0 + sent, 60)
-    await _until("queue drained", lambda: rig.src.queue.qsize() == 0, 60)
-    sim = rig.src.simulator
-    assert sim is not None
-    await _until(
+    await rig.until("queue drained", lambda: rig.src.queue.qsize() == 0, 60)
+    sim = rig.sim
+    await rig.until(
         "simulator idle",
         lambda: (
             sim.processed + rig.src.counters.dropped
@@ -215,7 +249,7 @@ async def test_flood_beyond_the_queue_drops_and_counts(rig: Rig) -> None:
     assert rig.stream().gaps == 0  # dropped inside the exporter, not on the wire
     # Every received batch was either simulated or counted as dropped.
     assert sim.processed - processed0 + dropped == rig.stream().batches - received0
-    assert await execute(rig.src, 5.0)
-    fams = _series(rig.src)
+    assert await rig.execute()
+    fams = rig.series()
     assert [v for _, v in fams["kvoffload_kv_events_dropped_total"]] == [dropped]
     assert all(v <= QUEUE for _, v in fams["kvoffload_kv_event_queue_depth"])

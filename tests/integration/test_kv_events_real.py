@@ -33,13 +33,6 @@ def samples(exporter: Exporter, name: str) -> dict[tuple[str, ...], float]:
     raise AssertionError(f"{name} not emitted")
 
 
-async def until(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
-
-
 def exporter_from_flags(flags: list[str]) -> tuple[Exporter, KvEventsSource]:
     """The exporter as the command line builds it, host collectors off."""
     parser = argparse.ArgumentParser()
@@ -51,7 +44,21 @@ def exporter_from_flags(flags: list[str]) -> tuple[Exporter, KvEventsSource]:
     return exporter, kv
 
 
-async def join_stream(kv: KvEventsSource, url: str, rng: random.Random, what: str) -> None:
+async def cycles_until(exporter: Exporter, cond: Any, timeout: float, what: str) -> None:
+    """Run the exporter's cycle until `cond`: collect() drains the KV-event queue, the
+    pipeline steps the what-if with it (the config planned by the previous cycle first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        await exporter.run_cycle()
+        if cond():
+            return
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+async def join_stream(
+    exporter: Exporter, kv: KvEventsSource, url: str, rng: random.Random, what: str
+) -> None:
     """ZMQ's slow joiner: fresh probe prompts until their events arrive, and the model
     config with them."""
     for _ in range(20):
@@ -61,9 +68,12 @@ async def join_stream(kv: KvEventsSource, url: str, rng: random.Random, what: st
         if kv.counters.streams.get(0) is not None:
             break
     assert kv.counters.streams.get(0) is not None, f"no KV event reached the exporter {what}"
-    sim = kv.simulator
-    assert sim is not None
-    await until(lambda: 0 in sim.engines and sim.engines[0].model is not None, 10, "config")
+
+    def configured() -> bool:
+        sim = exporter.pipeline.simulation(kv.label)  # the runtime's what-if of the target
+        return sim is not None and 0 in sim.engines and sim.engines[0].model is not None
+
+    await cycles_until(exporter, configured, 10, "config")
 
 
 async def test_real_vllm_recompute_after_eviction_and_whatif(vllm_server, tmp_path: Path) -> None:
@@ -95,8 +105,8 @@ async def test_real_vllm_recompute_after_eviction_and_whatif(vllm_server, tmp_pa
         await exporter.run_cycle()
         assert [(s.address, s.bind) for s in kv.streams] == [(vllm_server.kv_events_endpoint, True)]
         rng = random.Random(time.time_ns())
-        await join_stream(kv, vllm_server.url, rng, "")
-        sim = kv.simulator
+        await join_stream(exporter, kv, vllm_server.url, rng, "")
+        sim = exporter.pipeline.simulation(kv.label)
         assert sim is not None
         await exporter.run_cycle()
         rec0 = sim.engines[0].builder.stats.recomputed_tokens
@@ -107,7 +117,12 @@ async def test_real_vllm_recompute_after_eviction_and_whatif(vllm_server, tmp_pa
         assert sum(r.prompt_tokens for r in records) == 40000
 
         stream = kv.counters.streams[0]
-        await until(lambda: sim.processed == stream.batches and kv.queue.empty(), 20, "simulator")
+        await cycles_until(
+            exporter,
+            lambda: sim.processed == stream.batches and kv.queue.empty(),
+            20,
+            "simulator",
+        )
         await asyncio.sleep(1.5)  # one more scrape interval past the last event
         await exporter.run_cycle()
 
@@ -234,11 +249,15 @@ async def test_a_gap_is_recovered_from_the_real_replay_endpoint(
                 (proxy.downstream, False, vllm_server.replay_endpoint)
             ]
             rng = random.Random(time.time_ns())
-            await join_stream(kv, vllm_server.url, rng, "through the proxy")
+            await join_stream(exporter, kv, vllm_server.url, rng, "through the proxy")
             stream = kv.counters.streams[0]
-            sim = kv.simulator
+            sim = exporter.pipeline.simulation(kv.label)
             assert sim is not None
-            await until(lambda: sim.processed == stream.batches and kv.queue.empty(), 20, "sim")
+
+            def simulated() -> bool:
+                return sim.processed == stream.batches and kv.queue.empty()
+
+            await cycles_until(exporter, simulated, 20, "sim")
             rec0 = sim.engines[0].builder.stats.recomputed_tokens
             gaps0, replayed0, lost0 = stream.gaps, stream.replayed, stream.lost
 
@@ -246,7 +265,7 @@ async def test_a_gap_is_recovered_from_the_real_replay_endpoint(
             await asyncio.to_thread(
                 seed_workload, vllm_server.url, batches=5, seed=rng.randrange(1 << 30), pause=0.1
             )
-            await until(lambda: sim.processed == stream.batches and kv.queue.empty(), 20, "sim")
+            await cycles_until(exporter, simulated, 20, "sim")
             await exporter.run_cycle()
 
             assert len(proxy.dropped) == 2, f"the workload published too few batches: {proxy}"

@@ -1,4 +1,5 @@
-"""What-if simulator: trace reconstruction, vLLM 0.26 CPU-tier semantics, one-pass curve."""
+"""exporter/model/whatif/simulator.py: trace reconstruction, vLLM 0.26 CPU-tier semantics,
+one-pass curve."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from exporter.model.whatif.simulator import (
 )
 from tests.test_whatif_synth import abcab_messages, shared_prefix_messages
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[2] / "fixtures"
 CPU_EVENTS = FIXTURES / "vllm-0.32.0-cpu" / "kv-events.jsonl"
 H200 = FIXTURES / "vllm-0.26.0-h200"
 H200_KV_BYTES_PER_BLOCK = 114_688 * 16  # 28 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes

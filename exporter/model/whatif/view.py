@@ -1,0 +1,145 @@
+"""The what-if results over the scrape window (pure): simulated hits joined with the
+prompt tokens of the window's intervals that the simulation covered."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from exporter.model.advisor.types import PolicyPoint, WhatIfPoint, WhatIfState
+from exporter.model.derive.engines import EngineDerived
+from exporter.model.whatif.engine import POLICY_COMBOS, EngineSnapshot, SimConfig
+from exporter.model.whatif.plan import engine_policy, policy_size, recompute_rate
+from exporter.model.whatif.simulator import ttft_saved_seconds_per_second
+from exporter.vllm_metrics import EngineKey
+from exporter.window import TargetWindow
+
+
+@dataclass(frozen=True, slots=True)
+class WhatIfView:
+    """Simulated hits over the part of the window the simulator covered."""
+
+    prompt_tokens: float
+    seconds: float
+    hits: tuple[float, ...]
+    configured_hits: float | None
+    recomputed_tokens: float
+
+
+def engine_rank(key: EngineKey) -> int | None:
+    """The DP rank of an engine label (the key of WhatIf.snapshots()); None if not a rank."""
+    try:
+        return int(key.engine)
+    except ValueError:
+        return None
+
+
+def prompt_span(
+    window: TargetWindow, key: EngineKey, start: float
+) -> tuple[float, float, float] | None:
+    """Prompt tokens and the time span of the window's intervals from `start` on."""
+    prompt = 0.0
+    t0 = math.inf
+    t1 = -math.inf
+    for iv in window.intervals():
+        if iv.t0 < start:
+            continue  # the simulator had not started: its hits would be missing
+        deltas = iv.deltas.get(key)
+        if not deltas or "prompt_tokens" not in deltas:
+            continue
+        prompt += deltas["prompt_tokens"]
+        t0, t1 = min(t0, iv.t0), max(t1, iv.t1)
+    if prompt <= 0 or t1 <= t0:
+        return None
+    return prompt, t0, t1
+
+
+def window_view(
+    es: EngineSnapshot | None, window: TargetWindow, key: EngineKey
+) -> WhatIfView | None:
+    """The curve's hits over the window; None until simulated and joined with prompts."""
+    if es is None or es.capacities is None or es.sim_start is None:
+        return None
+    span = prompt_span(window, key, es.sim_start)
+    if span is None:
+        return None
+    prompt, t0, t1 = span
+    k = len(es.capacities)
+    hits = [0.0] * k
+    conf = 0.0
+    recomputed = 0.0
+    for b in es.buckets:
+        if t0 <= b.start < t1 and len(b.hits) == k:
+            recomputed += b.recomputed_tokens
+            conf += b.configured_hits
+            for i in range(k):
+                hits[i] += b.hits[i]
+    return WhatIfView(
+        prompt,
+        t1 - t0,
+        tuple(hits),
+        conf if es.configured_blocks is not None else None,
+        recomputed,
+    )
+
+
+def policy_points(
+    es: EngineSnapshot | None,
+    window: TargetWindow,
+    d: EngineDerived,
+    planned: SimConfig | None,
+    recommended: float | None,
+) -> tuple[PolicyPoint, ...]:
+    """Hit ratio of each POLICY_COMBOS entry at the comparison size, over the window.
+
+    `planned` is the engine's last planned config (WhatIf.planned) and `recommended` the
+    recommendation it was planned with: empty while the planned size is not simulated."""
+    if es is None or planned is None or es.policy_blocks is None or es.policy_start is None:
+        return ()
+    if es.policy_blocks != planned.policy_blocks:
+        return ()  # the new size is not simulated yet
+    size = policy_size(d, recommended)
+    span = prompt_span(window, d.key, es.policy_start)
+    if span is None or not size:
+        return ()
+    prompt, t0, t1 = span
+    hits = [0.0] * len(POLICY_COMBOS)
+    for b in es.policy_buckets:
+        if t0 <= b.start < t1 and len(b.hits) == len(POLICY_COMBOS):
+            for i in range(len(POLICY_COMBOS)):
+                hits[i] += b.hits[i]
+    policy, threshold = engine_policy(d)
+    own = (policy, threshold or 0) if d.offload_enabled and policy is not None else None
+    return tuple(
+        PolicyPoint(p, t, float(size), min(1.0, h / prompt), (p, t) == own)
+        for (p, t), h in zip(POLICY_COMBOS, hits, strict=True)
+    )
+
+
+def whatif_state(
+    es: EngineSnapshot | None,
+    window: TargetWindow,
+    d: EngineDerived,
+    sizes_bytes: Sequence[int],
+) -> WhatIfState | None:
+    """The what-if curve over the window for the advisor and the whatif families."""
+    view = window_view(es, window, d.key)
+    if view is None:
+        return None
+    points = tuple(
+        WhatIfPoint(
+            float(size),
+            min(1.0, hits / view.prompt_tokens),
+            ttft_saved_seconds_per_second(
+                hits / view.seconds, recompute_rate(d), d.transfer_tokens_per_second
+            ),
+        )
+        for size, hits in zip(sizes_bytes, view.hits, strict=True)
+    )
+    conf = (
+        min(1.0, view.configured_hits / view.prompt_tokens)
+        if view.configured_hits is not None
+        else None
+    )
+    return WhatIfState(points, view.recomputed_tokens, conf)
