@@ -155,7 +155,7 @@ def build_sources(cfg: Config, clock: Clock = time.time) -> list[Source]:
             )
     if cfg.kv_events:
         sources.extend(
-            KvEventsSource(t, kv_events_settings(cfg, t.config), clock=clock) for t in targets
+            KvEventsSource(t, kv_events_settings(cfg, t), clock=clock) for t in cfg.targets
         )
     return sources
 

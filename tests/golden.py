@@ -89,8 +89,10 @@ def normalised(text: str) -> str:
 
 
 async def golden_exposition() -> str:
-    scrapes = [json.loads(line) for line in lzma.open(RUN / "vllm_metrics.jsonl.xz", "rt")]
-    events = [json.loads(line) for line in lzma.open(RUN / "kv_events.jsonl.xz", "rt")]
+    with lzma.open(RUN / "vllm_metrics.jsonl.xz", "rt") as fh:
+        scrapes = [json.loads(line) for line in fh]
+    with lzma.open(RUN / "kv_events.jsonl.xz", "rt") as fh:
+        events = [json.loads(line) for line in fh]
     bodies = [s["body"].encode() for s in scrapes]
     at = 0
 
@@ -99,7 +101,7 @@ async def golden_exposition() -> str:
     async def fetch(url: str, limit: int) -> bytes:
         if url.endswith("/version"):
             return b'{"version": "0.26.0"}'
-        host = url.split("/")[2].split(":")[0]
+        host = url.split("/")[2].split(":", maxsplit=1)[0]
         body = extra[host][at >= len(bodies) // 2] if host in extra else bodies[at]
         if len(body) > limit:
             raise CollectError(ErrorKind.TOO_LARGE, "fixture body over the limit")
@@ -155,7 +157,7 @@ async def golden_exposition() -> str:
     cgroup = CgroupSource(
         "e2e", pid=2614, procfs_root=proc, cgroup_root=FIXTURES / "cgroup" / "v2", clock=clock
     )
-    kv = KvEventsSource(target, kv_events_settings(cfg, tc), clock=clock)
+    kv = KvEventsSource(tc, kv_events_settings(cfg, tc), clock=clock)
     # The receiver thread is not started: frames go through its checks and queue by hand.
     spec = StreamSpec(0, "tcp://127.0.0.1:1", False)
     kv.receiver = Receiver(zmq.Context.instance(), [spec], kv.queue, kv.counters, threading.Event())

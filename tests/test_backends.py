@@ -842,31 +842,6 @@ def test_synthesized_lmcache_fixture_is_what_its_script_writes() -> None:
 # --- wiring: /proc -> launch config -> derive ------------------------------------------------
 
 
-def test_runtime_hands_the_launch_config_to_derive() -> None:
-    from exporter.config import Config
-    from exporter.runtime import Exporter, build_sources
-    from exporter.sources import Health
-
-    cfg = Config(targets=(TargetConfig(url="http://127.0.0.1:9", name="t"),))
-    cfg = replace(cfg, nvml=False, procfs=False, cgroup=False, kv_events=False)
-    want = launch_config(*recorded_cmd("small-arc"))
-
-    class FakeProcfs:
-        name = "fake"
-        health = Health("fake")
-
-        async def start(self) -> None: ...
-        async def stop(self) -> None: ...
-        async def collect(self) -> None: ...
-
-        def families(self) -> list[Any]:
-            return []
-
-        def launch_config(self, label: str) -> LaunchConfig | None:
-            return want if label == "t" else None
-
-    exp = Exporter(cfg, [*build_sources(cfg), FakeProcfs()])
-    assert exp.settings_for(exp.targets[0]).launch == want
 
 
 def test_dashboard_backend_series_appear_in_the_backend_fixtures() -> None:

@@ -96,6 +96,7 @@ async def _until(what: str, check: Callable[[], bool], timeout: float = 30.0) ->
 class Rig:
     src: KvEventsSource
     pub: Publisher
+    target: VllmTarget  # its window names the engines of the KV-event families
     sim: WhatIf = field(default_factory=lambda: WhatIf(WhatIfSettings()))
 
     async def collect(self) -> None:
@@ -114,7 +115,7 @@ class Rig:
         return ok
 
     def series(self) -> dict[str, list[tuple[tuple[str, ...], float]]]:
-        latest = self.src.target.window.latest
+        latest = self.target.window.latest
         keys = latest.engines if latest is not None else ()
         fams = kv_events_families(self.src.label, self.src.snapshot(), keys, self.sim.snapshots())
         return {f.definition.name: list(f.samples) for f in fams if len(f)}
@@ -160,10 +161,10 @@ async def rig() -> AsyncIterator[Rig]:
     # One scrape's worth of engine identity, so the KV-event families get their labels.
     es = EngineSample(counters={}, gauges={})
     target.window.add(TargetSample(ts=time.time(), engines={EngineKey("m", "0"): es}))
-    src = KvEventsSource(target, KvEventsSettings(endpoints=(address,), queue_size=QUEUE))
+    src = KvEventsSource(target.config, KvEventsSettings(endpoints=(address,), queue_size=QUEUE))
     await src.start()
     try:
-        yield Rig(src, pub)
+        yield Rig(src, pub, target)
     finally:
         await src.stop()
         if pub.sock is not None:

@@ -26,6 +26,7 @@ import zmq
 
 from exporter.kvevents_codec import DecodeError, Message, decode_payload, encode_record
 from exporter.logs import log_event
+from exporter.options import TargetConfig
 from exporter.sources import Clock, CollectError, ErrorKind, Health
 from exporter.sources.kv_events.discovery import StreamSpec, discover, streams_from
 from exporter.sources.kv_events.receiver import (
@@ -35,7 +36,6 @@ from exporter.sources.kv_events.receiver import (
     ReceiverCounters,
     StreamCounters,
 )
-from exporter.sources.vllm_http import VllmTarget
 
 log = logging.getLogger("kvoe.kv_events")
 
@@ -104,7 +104,7 @@ class KvEventsSource:
 
     def __init__(
         self,
-        target: VllmTarget,
+        target: TargetConfig,
         settings: KvEventsSettings,
         *,
         clock: Clock = time.time,
@@ -112,7 +112,7 @@ class KvEventsSource:
     ) -> None:
         self.target = target
         self.settings = settings
-        self.label = target.config.label
+        self.label = target.label
         self.name = f"kv_events:{self.label}"
         self.health = Health(self.name, clock)
         self._clock = clock
@@ -190,7 +190,7 @@ class KvEventsSource:
             self._ctx = None
 
     async def _discover(self) -> list[StreamSpec]:
-        cfg = self.target.config
+        cfg = self.target
         return await discover(cfg.url, cfg.base_url, self.settings.discovery_timeout)
 
     # --- collection -------------------------------------------------------------------

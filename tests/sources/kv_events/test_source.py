@@ -73,8 +73,11 @@ class Cycle:
     """What runtime.py and the model's Pipeline do with a KV-event source each cycle: step
     the what-if with the items of the collect, plan it, read it, render it."""
 
-    def __init__(self, source: KvEventsSource, settings: WhatIfSettings) -> None:
+    def __init__(
+        self, source: KvEventsSource, settings: WhatIfSettings, target: VllmTarget
+    ) -> None:
         self.source = source
+        self.target = target  # the scrape window the what-if is read over
         self.sim = WhatIf(settings)
 
     async def collect(self) -> None:
@@ -86,7 +89,7 @@ class Cycle:
     def state(self, d: EngineDerived) -> WhatIfState | None:
         rank = engine_rank(d.key)
         es = self.sim.snapshots().get(rank) if rank is not None else None
-        return whatif_state(es, self.source.target.window, d, self.sim.settings.sizes_bytes)
+        return whatif_state(es, self.target.window, d, self.sim.settings.sizes_bytes)
 
     def whatif_families(self, derived: dict[str, list[EngineDerived]]) -> list[Family]:
         rows = []
@@ -97,13 +100,13 @@ class Cycle:
             if cfg is not None:
                 self.sim.configure(rank, cfg)
             es = self.sim.snapshots().get(rank)
-            window = self.source.target.window
+            window = self.target.window
             points = policy_points(es, window, d, self.sim.planned(rank), None)
             rows.append((d.key, self.state(d), points))
         return whatif_families(self.source.label, rows)
 
     def kv_events_families(self) -> list[Family]:
-        latest = self.source.target.window.latest
+        latest = self.target.window.latest
         keys = latest.engines if latest is not None else ()
         return kv_events_families(
             self.source.label, self.source.snapshot(), keys, self.sim.snapshots()
@@ -118,8 +121,8 @@ async def test_source_predicts_the_h200_offload_share(tmp_path: Path) -> None:
     port = free_port()
     record = tmp_path / "events.jsonl"
     settings_ = KvEventsSettings(bind=(f"tcp://127.0.0.1:{port}",), record_path=str(record))
-    source = KvEventsSource(target, settings_)
-    cycle = Cycle(source, WhatIfSettings(sizes_bytes=(64 << 20, 1 << 29, 1 << 30)))
+    source = KvEventsSource(target.config, settings_)
+    cycle = Cycle(source, WhatIfSettings(sizes_bytes=(64 << 20, 1 << 29, 1 << 30)), target)
     await source.start()
     ctx: zmq.Context[Any] = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -207,7 +210,7 @@ async def test_source_discovers_endpoints_from_vllm() -> None:
         timeout=1,
         max_body_bytes=1,
     )
-    source = KvEventsSource(target, KvEventsSettings())
+    source = KvEventsSource(target.config, KvEventsSettings())
     try:
         await source.start()
         for _ in range(2):  # 404 (older vLLM), then {} (events off): absent, not errors
@@ -228,12 +231,7 @@ async def test_source_discovers_endpoints_from_vllm() -> None:
 
 def offline_source(settings_: KvEventsSettings | None = None) -> KvEventsSource:
     """A source whose receiver thread is never started: the test fills its queue."""
-    source = KvEventsSource(
-        VllmTarget(
-            TargetConfig(url="http://127.0.0.1:1"), window_seconds=60, timeout=1, max_body_bytes=1
-        ),
-        settings_ or KvEventsSettings(),
-    )
+    source = KvEventsSource(TargetConfig(url="http://127.0.0.1:1"), settings_ or KvEventsSettings())
     spec = StreamSpec(0, "tcp://127.0.0.1:1", False)
     receiver = Receiver(
         zmq.Context.instance(), [spec], source.queue, source.counters, threading.Event()
