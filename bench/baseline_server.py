@@ -34,7 +34,7 @@ def to_client_families(families: Iterable[Family]) -> list[Metric]:
         else:
             metric = GaugeMetricFamily(d.name, d.help, labels=list(d.labels))
         for values, value in fam.samples:
-            metric.add_metric(list(values), value)  # type: ignore[attr-defined]
+            metric.add_metric(list(values), value)
         out.append(metric)
     return out
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("port", type=int)
     args = parser.parse_args(argv)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Fixed(asyncio.run(build(args.vllm_url))))  # type: ignore[arg-type]
+    registry.register(Fixed(asyncio.run(build(args.vllm_url))))
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(

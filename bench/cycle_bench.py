@@ -20,7 +20,7 @@ import asyncio
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -58,19 +58,19 @@ def baseline_parser() -> Iterator[None]:
 
     original = expfmt.parse
 
-    def parse(text: str, wanted: object) -> list[expfmt.Sample]:
+    def parse(text: str, wanted: Collection[str]) -> list[expfmt.Sample]:
         return [
             expfmt.Sample(s.name, tuple(sorted(s.labels.items())), s.value)
             for fam in text_string_to_metric_families(text)
             for s in fam.samples
-            if s.name in wanted  # type: ignore[operator]
+            if s.name in wanted
         ]
 
-    expfmt.parse = parse  # type: ignore[assignment]
+    expfmt.parse = parse
     try:
         yield
     finally:
-        expfmt.parse = original  # type: ignore[assignment]
+        expfmt.parse = original
 
 
 def _fake_nvml() -> NvmlSource:

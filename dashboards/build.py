@@ -12,12 +12,14 @@ import json
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, Self, TypeVar
 
 from grafana_foundation_sdk.builders import barchart, stat, table, timeseries
 from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import prometheus as pb
+from grafana_foundation_sdk.cog import builder as cogbuilder
+from grafana_foundation_sdk.cog import variants as cogvariants
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dm
@@ -194,8 +196,8 @@ def _target(q: Query, ref: str) -> pb.Dataquery:
     return t
 
 
-def _links(panel: Panel) -> list[db.DashboardLink]:
-    links = [
+def _links(panel: Panel) -> list[cogbuilder.Builder[dm.DashboardLink]]:
+    links: list[cogbuilder.Builder[dm.DashboardLink]] = [
         db.DashboardLink(f"Runbook: {alert}")
         .type(dm.DashboardLinkType.LINK)
         .url(f"{panels.RUNBOOKS_URL}#{alert.lower()}")
@@ -214,7 +216,29 @@ def _links(panel: Panel) -> list[db.DashboardLink]:
     return links
 
 
-def _common(b: Any, placed: Placed) -> Any:
+class _PanelBuilder(Protocol):
+    """What _common() sets on a panel; the SDK's panel builders (stat, table, timeseries,
+    barchart) each have these methods without sharing a base class."""
+
+    def id(self, id_val: int) -> Self: ...
+    def title(self, title: str) -> Self: ...
+    def description(self, description: str) -> Self: ...
+    def datasource(self, datasource: dm.DataSourceRef) -> Self: ...
+    def grid_pos(self, grid_pos: dm.GridPos) -> Self: ...
+    def unit(self, unit: str) -> Self: ...
+    def thresholds(self, thresholds: cogbuilder.Builder[dm.ThresholdsConfig]) -> Self: ...
+    def min(self, min_val: float) -> Self: ...
+    def max(self, max_val: float) -> Self: ...
+    def decimals(self, decimals: float) -> Self: ...
+    def mappings(self, mappings: list[dm.ValueMapping]) -> Self: ...
+    def links(self, links: list[cogbuilder.Builder[dm.DashboardLink]]) -> Self: ...
+    def with_target(self, target: cogbuilder.Builder[cogvariants.Dataquery]) -> Self: ...
+
+
+_B = TypeVar("_B", bound=_PanelBuilder)
+
+
+def _common(b: _B, placed: Placed) -> _B:
     p = placed.panel
     assert p is not None
     b = (

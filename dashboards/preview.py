@@ -19,7 +19,7 @@ import json
 import math
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -90,27 +90,38 @@ def _si(v: float, suffix: str) -> str:
     return f"{_num(v)} {suffix}".rstrip()
 
 
+def _iec(value: float) -> str:
+    for size, name in _IEC:
+        if abs(value) >= size:
+            return f"{_num(value / size)} {name}"
+    return f"{_num(value)} B"
+
+
+def _seconds(value: float) -> str:
+    if value != 0 and abs(value) < 1e-3:
+        return f"{_num(value * 1e6)} µs"
+    if value != 0 and abs(value) < 1:
+        return f"{_num(value * 1e3)} ms"
+    return f"{_num(value)} s"
+
+
+# Grafana unit -> how it writes a value; "si:X" and "suffix:X" units are handled in fmt().
+_FORMATS: dict[str, Callable[[float], str]] = {
+    "percentunit": lambda v: f"{_num(v * 100)}%",
+    "bytes": _iec,
+    "Bps": lambda v: _si(v, "B/s"),
+    "ops": lambda v: _si(v, "ops/s"),
+    "s": _seconds,
+}
+
+
 def fmt(value: float, unit: str) -> str:
     """Roughly how Grafana writes a value in a unit."""
     if math.isnan(value):
         return "NaN"
-    if unit == "percentunit":
-        return f"{_num(value * 100)}%"
-    if unit == "bytes":
-        for size, name in _IEC:
-            if abs(value) >= size:
-                return f"{_num(value / size)} {name}"
-        return f"{_num(value)} B"
-    if unit == "Bps":
-        return _si(value, "B/s")
-    if unit == "ops":
-        return _si(value, "ops/s")
-    if unit == "s":
-        if value != 0 and abs(value) < 1e-3:
-            return f"{_num(value * 1e6)} µs"
-        if value != 0 and abs(value) < 1:
-            return f"{_num(value * 1e3)} ms"
-        return f"{_num(value)} s"
+    by_unit = _FORMATS.get(unit)
+    if by_unit is not None:
+        return by_unit(value)
     if unit.startswith("si:"):
         return _si(value, unit[3:])
     if unit.startswith("suffix:"):
@@ -164,7 +175,8 @@ def _color_for(value: float, panel: Mapping[str, Any]) -> str:
             str(int(value)) if value == int(value) else ""
         )
         if hit and hit.get("color"):
-            return COLORS.get(hit["color"], hit["color"])
+            mapped = str(hit["color"])
+            return COLORS.get(mapped, mapped)
     color = "green"
     for v, c in _thresholds(panel):
         if v is None or value >= v:
@@ -180,11 +192,12 @@ def _mapped_text(value: str, panel: Mapping[str, Any]) -> tuple[str, str | None]
     return value, None
 
 
-def draw_timeseries(ax: Axes, panel: Mapping[str, Any], results: Sequence[TargetResult]) -> bool:
-    unit = panel["fieldConfig"]["defaults"].get("unit", "none")
-    custom = panel["fieldConfig"]["defaults"].get("custom", {})
-    stacked = custom.get("stacking", {}).get("mode") == "normal"
-    lines: list[tuple[str, list[dt.datetime], list[float]]] = []
+_Line = tuple[str, list[dt.datetime], list[float]]  # legend, times, values
+
+
+def _series_lines(panel: Mapping[str, Any], results: Sequence[TargetResult]) -> list[_Line]:
+    """One line per series with finite points, named by its target's legend format."""
+    lines: list[_Line] = []
     targets = {t["refId"]: t for t in panel["targets"]}
     for r in results:
         for s in r.series:
@@ -194,18 +207,11 @@ def draw_timeseries(ax: Axes, panel: Mapping[str, Any], results: Sequence[Target
             name = legend(targets[r.ref_id].get("legendFormat", ""), s["metric"])
             xs = [dt.datetime.fromtimestamp(t, dt.UTC) for t, _ in pts]
             lines.append((name, xs, [v for _, v in pts]))
-    if not lines:
-        return False
-    if stacked:
-        times = sorted({x for _, xs, _ in lines for x in xs})
-        ys = []
-        for _, xs, vs in lines:
-            m = dict(zip(xs, vs, strict=True))
-            ys.append([m.get(t, 0.0) for t in times])
-        ax.stackplot(times, ys, labels=[n for n, _, _ in lines], colors=SERIES, alpha=0.55)
-    else:
-        for i, (name, xs, vs) in enumerate(lines):
-            ax.plot(xs, vs, label=name, color=SERIES[i % len(SERIES)], linewidth=1.2)
+    return lines
+
+
+def _y_axis(ax: Axes, panel: Mapping[str, Any], custom: Mapping[str, Any]) -> None:
+    """Threshold lines, log scale and the y range as the panel sets them."""
     if custom.get("thresholdsStyle", {}).get("mode") in ("dashed", "line"):
         for v, c in _thresholds(panel):
             if v is not None:
@@ -218,8 +224,42 @@ def draw_timeseries(ax: Axes, panel: Mapping[str, Any], results: Sequence[Target
         ax.set_ylim(bottom=defaults["min"])
     if "max" in defaults:
         ax.set_ylim(top=defaults["max"] * 1.02)
+
+
+def draw_timeseries(ax: Axes, panel: Mapping[str, Any], results: Sequence[TargetResult]) -> bool:
+    unit = panel["fieldConfig"]["defaults"].get("unit", "none")
+    custom = panel["fieldConfig"]["defaults"].get("custom", {})
+    stacked = custom.get("stacking", {}).get("mode") == "normal"
+    lines = _series_lines(panel, results)
+    if not lines:
+        return False
+    if stacked:
+        times = sorted({x for _, xs, _ in lines for x in xs})
+        ys = []
+        for _, xs, vs in lines:
+            m = dict(zip(xs, vs, strict=True))
+            ys.append([m.get(t, 0.0) for t in times])
+        ax.stackplot(
+            times,  # type: ignore[arg-type]  # datetimes use matplotlib's date units; stubs say numbers
+            ys,
+            labels=[n for n, _, _ in lines],
+            colors=SERIES,
+            alpha=0.55,
+        )
+    else:
+        for i, (name, xs, vs) in enumerate(lines):
+            ax.plot(
+                xs,  # type: ignore[arg-type]  # datetimes: as for stackplot above
+                vs,
+                label=name,
+                color=SERIES[i % len(SERIES)],
+                linewidth=1.2,
+            )
+    _y_axis(ax, panel, custom)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v, unit)))
-    ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
+    ax.xaxis.set_major_formatter(
+        mdates.DateFormatter("%H:%M:%S")  # type: ignore[no-untyped-call]  # unannotated in matplotlib
+    )
     ax.grid(color="#2c3235", linewidth=0.5)
     ax.legend(loc="upper left", fontsize=6, frameon=False, labelcolor=FG, ncol=1)
     return True
@@ -398,9 +438,9 @@ def render(
             emu = Emulator(d.api, doc, d.scrape_interval, d.start, d.end)
             ok = DRAW[panel["type"]](ax, panel, emu.run_panel(panel, emu.all_chosen()))
             if ok and panel["type"] == "timeseries":  # the dashboard's time range, as Grafana
-                ax.set_xlim(
-                    dt.datetime.fromtimestamp(d.start, dt.UTC),
-                    dt.datetime.fromtimestamp(d.end, dt.UTC),
+                ax.set_xlim(  # datetimes: matplotlib's date units, as in draw_timeseries
+                    dt.datetime.fromtimestamp(d.start, dt.UTC),  # type: ignore[arg-type]
+                    dt.datetime.fromtimestamp(d.end, dt.UTC),  # type: ignore[arg-type]
                 )
         if not ok:
             _no_data(ax, "No data" + ("" if scenario else "\n(shown with a GPU recording)"))

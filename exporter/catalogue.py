@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
@@ -42,46 +42,52 @@ def parse_catalogue(text: str) -> dict[str, MetricDef]:
     problems: list[str] = []
     out: dict[str, MetricDef] = {}
     for lineno, row in enumerate(reader, start=2):
-        name = (row.get("name") or "").strip()
-        mtype = (row.get("type") or "").strip()
-        unit = (row.get("unit") or "").strip()
-        labels = tuple((row.get("labels") or "").split())
-        source = (row.get("source") or "").strip()
-        help_text = (row.get("help") or "").strip()
-        where = f"row {lineno} ({name or '?'})"
+        d = MetricDef(
+            name=(row.get("name") or "").strip(),
+            type=(row.get("type") or "").strip(),
+            unit=(row.get("unit") or "").strip(),
+            labels=tuple((row.get("labels") or "").split()),
+            source=(row.get("source") or "").strip(),
+            help=(row.get("help") or "").strip(),
+        )
+        where = f"row {lineno} ({d.name or '?'})"
         if None in row or len(row) != 6:
             problems.append(f"{where}: expected 6 columns")
             continue
-        if not _NAME_RE.match(name):
-            problems.append(f"{where}: name must match {_NAME_RE.pattern}")
-        if mtype not in TYPES:
-            problems.append(f"{where}: unknown type {mtype!r}")
-        if unit not in UNITS:
-            problems.append(f"{where}: unknown unit {unit!r}")
-        if source not in SOURCES:
-            problems.append(f"{where}: unknown source {source!r}")
-        if not help_text:
-            problems.append(f"{where}: empty help")
-        bare = name.removesuffix("_total")
-        if mtype == "counter" and not name.endswith("_total"):
-            problems.append(f"{where}: counters end in _total")
-        if mtype != "counter" and name.endswith("_total"):
-            problems.append(f"{where}: only counters end in _total")
-        if mtype == "info" and not name.endswith("_info"):
-            problems.append(f"{where}: info metrics end in _info")
-        if unit and not bare.endswith("_" + unit):
-            problems.append(f"{where}: unit {unit} must be the name's suffix")
-        for label in labels:
-            if not _LABEL_RE.match(label):
-                problems.append(f"{where}: bad label name {label!r}")
-        if len(set(labels)) != len(labels):
-            problems.append(f"{where}: duplicate label")
-        if name in out:
+        problems += [f"{where}: {problem}" for problem in _row_problems(d)]
+        if d.name in out:
             problems.append(f"{where}: duplicate name")
-        out[name] = MetricDef(name, mtype, unit, labels, source, help_text)
+        out[d.name] = d
     if problems:
         raise CatalogueError("catalogue.csv: " + "; ".join(problems))
     return out
+
+
+def _row_problems(d: MetricDef) -> Iterator[str]:
+    """What is wrong with one row on its own (the naming rules), in a fixed order."""
+    if not _NAME_RE.match(d.name):
+        yield f"name must match {_NAME_RE.pattern}"
+    if d.type not in TYPES:
+        yield f"unknown type {d.type!r}"
+    if d.unit not in UNITS:
+        yield f"unknown unit {d.unit!r}"
+    if d.source not in SOURCES:
+        yield f"unknown source {d.source!r}"
+    if not d.help:
+        yield "empty help"
+    if d.type == "counter" and not d.name.endswith("_total"):
+        yield "counters end in _total"
+    if d.type != "counter" and d.name.endswith("_total"):
+        yield "only counters end in _total"
+    if d.type == "info" and not d.name.endswith("_info"):
+        yield "info metrics end in _info"
+    if d.unit and not d.name.removesuffix("_total").endswith("_" + d.unit):
+        yield f"unit {d.unit} must be the name's suffix"
+    for label in d.labels:
+        if not _LABEL_RE.match(label):
+            yield f"bad label name {label!r}"
+    if len(set(d.labels)) != len(d.labels):
+        yield "duplicate label"
 
 
 def _load() -> dict[str, MetricDef]:

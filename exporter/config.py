@@ -10,7 +10,7 @@ import argparse
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -296,35 +296,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + opt.flag, **kw)
 
 
+def _as_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    raise ValueError("expected a list")
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _as_float(value: Any) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError("not a finite number")
+    return number
+
+
+def _as_bytes_list(value: Any) -> list[int]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [parse_bytes(v) for v in items if str(v).strip()]
+
+
+# Option.kind -> converter; any other kind is text, checked against the option's choices.
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {
+    "list": _as_list,
+    "bool": _as_bool,
+    "float": _as_float,
+    "int": int,
+    "bytes": parse_bytes,
+    "bytes_list": _as_bytes_list,
+}
+
+
 def _coerce(opt: Option, value: Any, where: str, problems: list[str]) -> Any:
     try:
-        if opt.kind == "list":
-            if isinstance(value, str):
-                return [v.strip() for v in value.split(",") if v.strip()]
-            if isinstance(value, list):
-                return [str(v) for v in value]
-            raise ValueError("expected a list")
-        if opt.kind == "bool":
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"expected true or false, got {value!r}")
-        if opt.kind == "float":
-            number = float(value)
-            if not math.isfinite(number):
-                raise ValueError("not a finite number")
-            return number
-        if opt.kind == "int":
-            return int(value)
-        if opt.kind == "bytes":
-            return parse_bytes(value)
-        if opt.kind == "bytes_list":
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return [parse_bytes(v) for v in items if str(v).strip()]
+        convert = _CONVERTERS.get(opt.kind)
+        if convert is not None:
+            return convert(value)
         text = str(value)
         if opt.choices and text not in opt.choices:
             raise ValueError(f"expected one of {', '.join(opt.choices)}")
@@ -448,38 +466,62 @@ def load_config(
     environ = os.environ if environ is None else environ
     problems: list[str] = []
     values: dict[str, Any] = {o.key: o.default for o in OPTIONS}
-
     path = getattr(args, "config", None) if args is not None else environ.get("KVOE_CONFIG")
-    file_values: dict[str, Any] = {}
-    if path:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError([f"--config {path}: {exc}"]) from None
-        if not isinstance(loaded, dict):
-            raise ConfigError([f"--config {path}: expected a mapping at the top level"])
-        file_values = {str(k).replace("-", "_").replace(".", "_"): v for k, v in loaded.items()}
-        for key, raw in file_values.items():
-            if key in ("targets", "thresholds"):
-                continue
-            opt = OPTION_BY_KEY.get(key)
-            if opt is None:
-                problems.append(f"{path}: unknown key {key!r}")
-                continue
-            values[key] = _coerce(opt, raw, f"{path}: {key}", problems)
+    file_values = _read_file(path, values, problems) if path else {}
+    _read_environ(environ, values, problems)
+    if args is not None:
+        _read_flags(args, values, problems)
+    cfg = _build(values, file_values, problems, require_targets=require_targets)
+    problems.extend(_value_problems(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
+
+def _read_file(path: str, values: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """The YAML file's keys, normalised; its plain options are coerced into `values`
+    (targets and thresholds are structured: _build() reads them from the returned dict)."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError([f"--config {path}: {exc}"]) from None
+    if not isinstance(loaded, dict):
+        raise ConfigError([f"--config {path}: expected a mapping at the top level"])
+    file_values = {str(k).replace("-", "_").replace(".", "_"): v for k, v in loaded.items()}
+    for key, raw in file_values.items():
+        if key in ("targets", "thresholds"):
+            continue
+        opt = OPTION_BY_KEY.get(key)
+        if opt is None:
+            problems.append(f"{path}: unknown key {key!r}")
+            continue
+        values[key] = _coerce(opt, raw, f"{path}: {key}", problems)
+    return file_values
+
+
+def _read_environ(environ: Mapping[str, str], values: dict[str, Any], problems: list[str]) -> None:
     for opt in OPTIONS:
         names = [opt.env] + (["KVOE_VLLM_URLS"] if opt.key == "vllm_url" else [])
         for name in names:
             if name in environ and environ[name] != "":
                 values[opt.key] = _coerce(opt, environ[name], name, problems)
 
-    if args is not None:
-        for opt in OPTIONS:
-            raw = getattr(args, opt.key, None)
-            if raw is not None:
-                values[opt.key] = _coerce(opt, raw, "--" + opt.flag, problems)
 
+def _read_flags(args: argparse.Namespace, values: dict[str, Any], problems: list[str]) -> None:
+    for opt in OPTIONS:
+        raw = getattr(args, opt.key, None)
+        if raw is not None:
+            values[opt.key] = _coerce(opt, raw, "--" + opt.flag, problems)
+
+
+def _build(
+    values: dict[str, Any],
+    file_values: dict[str, Any],
+    problems: list[str],
+    *,
+    require_targets: bool,
+) -> Config:
+    """The Config from the merged values, with the file's targets and thresholds."""
     values["targets"] = file_values.get("targets")
     targets = _targets_from(values, problems)
     thresholds = _thresholds_from(file_values.get("thresholds"), values.get("threshold"), problems)
@@ -495,7 +537,7 @@ def load_config(
     cap = kwargs.get("max_engines_per_target", 64)
     targets = tuple(replace(t, max_engines=cap) for t in targets)
     cfg = Config(targets=targets, thresholds=thresholds, extra=extra, **kwargs)
-    cfg = replace(
+    return replace(
         cfg,
         kv_events_targets=_kv_events_targets(file_values.get("targets"), targets, problems),
         # Repeated flags and comma-separated lists both give one endpoint per DP rank.
@@ -504,6 +546,10 @@ def load_config(
         kv_events_replay_endpoint=_split_all(cfg.kv_events_replay_endpoint),
     )
 
+
+def _value_problems(cfg: Config) -> list[str]:
+    """Values out of range, and combinations that do not go together."""
+    problems: list[str] = []
     if cfg.interval <= 0:
         problems.append("--interval must be positive")
     if cfg.window < 2 * cfg.interval:
@@ -529,14 +575,18 @@ def load_config(
     if cfg.max_engines_per_target < 1:
         problems.append("--max-engines-per-target must be at least 1")
     problems.extend(_kv_events_problems(cfg))
-    if cfg.web_config_file:
-        try:
-            load_web_config(cfg.web_config_file)
-        except WebConfigError as exc:
-            problems.extend(exc.problems)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
+    problems.extend(_web_config_problems(cfg.web_config_file))
+    return problems
+
+
+def _web_config_problems(path: str) -> list[str]:
+    if not path:
+        return []
+    try:
+        load_web_config(path)
+    except WebConfigError as exc:
+        return list(exc.problems)
+    return []
 
 
 def _kv_events_problems(cfg: Config) -> list[str]:

@@ -442,6 +442,64 @@ def _kept_engines(
     return kept, len(present) - len(kept)
 
 
+_ByName = dict[str, list[tuple[Sample, EngineKey | None]]]
+
+
+def _by_name(samples: Iterable[Sample]) -> _ByName:
+    """Samples by series name, each with its engine (None without model_name and engine),
+    worked out once: the cap and every quantity read it."""
+    by_name: _ByName = {}
+    known: dict[tuple[str | None, str | None], EngineKey | None] = {}
+    for s in samples:
+        pair = (s.label("model_name"), s.label("engine"))
+        if pair not in known:
+            model, engine = pair
+            known[pair] = None if model is None or engine is None else EngineKey(model, engine)
+        by_name.setdefault(s.name, []).append((s, known[pair]))
+    return by_name
+
+
+def _cache_config(
+    by_name: _ByName, kept: set[EngineKey] | None, engine_labels: set[str]
+) -> tuple[dict[str, dict[str, str]], int]:
+    """The cache config info labels by engine label ("0" when unlabelled), and how many
+    series the cap dropped (under a cap, those of engines with no kept quantity)."""
+    out: dict[str, dict[str, str]] = {}
+    dropped = 0
+    for s, _ in by_name.get(CACHE_CONFIG_INFO, ()):
+        engine = s.label("engine") or "0"
+        if kept is not None and engine not in engine_labels:
+            dropped += 1
+            continue
+        out[engine] = dict(s.labels)
+    return out, dropped
+
+
+def _offload_config(
+    by_name: _ByName, kept: set[EngineKey] | None
+) -> tuple[dict[EngineKey, dict[str, str]], int]:
+    """The offload config info labels per kept engine, and how many series the cap dropped."""
+    out: dict[EngineKey, dict[str, str]] = {}
+    dropped = 0
+    for s, ek in by_name.get(OFFLOAD_CONFIG_INFO, ()):
+        if ek is None:
+            continue
+        if kept is not None and ek not in kept:
+            dropped += 1
+            continue
+        out[ek] = dict(s.labels)
+    return out, dropped
+
+
+def _process_start(by_name: _ByName) -> float | None:
+    """The last finite process start time in the body."""
+    process_start = None
+    for s, _ in by_name.get(PROCESS_START, ()):
+        if math.isfinite(s.value):
+            process_start = s.value
+    return process_start
+
+
 def normalise(
     samples: Iterable[Sample],
     ts: float,
@@ -455,16 +513,7 @@ def normalise(
     the engines already being tracked, first; then in sorted order, so the choice is
     stable across scrapes); the series of the others are dropped and counted.
     """
-    # Each sample's engine once: the cap and every quantity below read it.
-    by_name: dict[str, list[tuple[Sample, EngineKey | None]]] = {}
-    known: dict[tuple[str | None, str | None], EngineKey | None] = {}
-    for s in samples:
-        pair = (s.label("model_name"), s.label("engine"))
-        if pair not in known:
-            model, engine = pair
-            known[pair] = None if model is None or engine is None else EngineKey(model, engine)
-        by_name.setdefault(s.name, []).append((s, known[pair]))
-
+    by_name = _by_name(samples)
     kept, dropped_engines = _kept_engines(by_name, max_engines, prefer)
     dropped = 0
     split_values: dict[tuple[EngineKey, str], set[str]] = {}
@@ -505,26 +554,9 @@ def normalise(
                 target.setdefault(ek, {})[key] = value
             won |= chosen
     keys = set(counters) | set(gauges)
-    engine_labels = {ek.engine for ek in keys}
-    cache_config: dict[str, dict[str, str]] = {}
-    for s, _ in by_name.get(CACHE_CONFIG_INFO, ()):
-        engine = s.label("engine") or "0"
-        if kept is not None and engine not in engine_labels:
-            dropped += 1
-            continue
-        cache_config[engine] = dict(s.labels)
-    offload_config: dict[EngineKey, dict[str, str]] = {}
-    for s, ek in by_name.get(OFFLOAD_CONFIG_INFO, ()):
-        if ek is None:
-            continue
-        if kept is not None and ek not in kept:
-            dropped += 1
-            continue
-        offload_config[ek] = dict(s.labels)
-    process_start = None
-    for s, _ in by_name.get(PROCESS_START, ()):
-        if math.isfinite(s.value):
-            process_start = s.value
+    cache_config, dropped_cache = _cache_config(by_name, kept, {ek.engine for ek in keys})
+    offload_config, dropped_offload = _offload_config(by_name, kept)
+    dropped += dropped_cache + dropped_offload
     engines = {
         ek: EngineSample(
             counters=counters.get(ek, {}),
@@ -537,7 +569,7 @@ def normalise(
         ts=ts,
         engines=engines,
         cache_config=cache_config,
-        process_start=process_start,
+        process_start=_process_start(by_name),
         invalid=tuple(invalid),
         dropped_series=dropped,
         dropped_engines=dropped_engines,

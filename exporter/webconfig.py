@@ -160,19 +160,7 @@ def _tls(raw: Any, problems: list[str], base: Path) -> TlsConfig | None:
     if not isinstance(raw, dict):
         problems.append("tls_server_config: expected a mapping")
         return None
-    for key in sorted(set(raw) - _TLS_KEYS):
-        problems.append(f"tls_server_config: unknown key {key!r}")
-    for name in ("cert", "key"):
-        if raw.get(name):
-            problems.append(
-                f"tls_server_config.{name}: inline PEM is not supported; use {name}_file"
-            )
-    for name in ("cipher_suites", "curve_preferences"):
-        if raw.get(name):
-            problems.append(
-                f"tls_server_config.{name}: not supported (OpenSSL's defaults apply); "
-                "use min_version: TLS13 to restrict ciphers"
-            )
+    problems.extend(_tls_unsupported(raw))
     cert = _file(raw.get("cert_file"), "tls_server_config.cert_file", problems, base)
     key = _file(raw.get("key_file"), "tls_server_config.key_file", problems, base)
     if raw.get("cert_file") is None or raw.get("key_file") is None:
@@ -182,18 +170,7 @@ def _tls(raw: Any, problems: list[str], base: Path) -> TlsConfig | None:
     auth = raw.get("client_auth_type") or (
         "RequireAndVerifyClientCert" if ca_file or ca_inline else "NoClientCert"
     )
-    if auth in UNVERIFIED_CLIENT_AUTH:
-        problems.append(
-            f"tls_server_config.client_auth_type {auth}: accepts unverified client "
-            "certificates and is not supported; use RequireAndVerifyClientCert"
-        )
-    elif auth not in CLIENT_AUTH_TYPES:
-        problems.append(
-            f"tls_server_config.client_auth_type {auth!r}: expected one of "
-            f"{', '.join(CLIENT_AUTH_TYPES)}"
-        )
-    elif auth != "NoClientCert" and not (ca_file or ca_inline):
-        problems.append(f"tls_server_config.client_auth_type {auth} needs client_ca_file")
+    problems.extend(_client_auth_problems(auth, has_ca=bool(ca_file or ca_inline)))
     sans = raw.get("client_allowed_sans") or []
     if not isinstance(sans, list) or not all(isinstance(s, str) for s in sans):
         problems.append("tls_server_config.client_allowed_sans: expected a list of strings")
@@ -203,13 +180,7 @@ def _tls(raw: Any, problems: list[str], base: Path) -> TlsConfig | None:
             "tls_server_config.client_allowed_sans needs client_auth_type "
             "RequireAndVerifyClientCert"
         )
-    versions = {}
-    for name, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
-        value = raw.get(name) or default
-        if value not in TLS_VERSIONS:
-            problems.append(f"tls_server_config.{name} {value!r}: expected one of TLS10..TLS13")
-            value = default
-        versions[name] = value
+    versions = _tls_versions(raw, problems)
     if TLS_VERSIONS[versions["min_version"]] > TLS_VERSIONS[versions["max_version"]]:
         problems.append("tls_server_config: min_version is above max_version")
     if cert is None or key is None:
@@ -230,6 +201,51 @@ def _tls(raw: Any, problems: list[str], base: Path) -> TlsConfig | None:
         problems.append(f"tls_server_config: cannot load certificate/key/CA: {exc}")
         return None
     return tls
+
+
+def _tls_unsupported(raw: dict[Any, Any]) -> list[str]:
+    """Unknown keys, and the toolkit's keys this exporter does not take."""
+    problems = [f"tls_server_config: unknown key {key!r}" for key in sorted(set(raw) - _TLS_KEYS)]
+    for name in ("cert", "key"):
+        if raw.get(name):
+            problems.append(
+                f"tls_server_config.{name}: inline PEM is not supported; use {name}_file"
+            )
+    for name in ("cipher_suites", "curve_preferences"):
+        if raw.get(name):
+            problems.append(
+                f"tls_server_config.{name}: not supported (OpenSSL's defaults apply); "
+                "use min_version: TLS13 to restrict ciphers"
+            )
+    return problems
+
+
+def _client_auth_problems(auth: Any, *, has_ca: bool) -> list[str]:
+    if auth in UNVERIFIED_CLIENT_AUTH:
+        return [
+            f"tls_server_config.client_auth_type {auth}: accepts unverified client "
+            "certificates and is not supported; use RequireAndVerifyClientCert"
+        ]
+    if auth not in CLIENT_AUTH_TYPES:
+        return [
+            f"tls_server_config.client_auth_type {auth!r}: expected one of "
+            f"{', '.join(CLIENT_AUTH_TYPES)}"
+        ]
+    if auth != "NoClientCert" and not has_ca:
+        return [f"tls_server_config.client_auth_type {auth} needs client_ca_file"]
+    return []
+
+
+def _tls_versions(raw: dict[Any, Any], problems: list[str]) -> dict[str, str]:
+    """min_version and max_version, each its default where missing or unknown."""
+    versions = {}
+    for name, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
+        value = raw.get(name) or default
+        if value not in TLS_VERSIONS:
+            problems.append(f"tls_server_config.{name} {value!r}: expected one of TLS10..TLS13")
+            value = default
+        versions[name] = value
+    return versions
 
 
 def _users(raw: Any, problems: list[str]) -> dict[str, bytes]:

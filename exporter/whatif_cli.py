@@ -194,28 +194,33 @@ def _plot(doc: dict[str, Any], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _capacities(args: argparse.Namespace) -> tuple[list[int], list[int | None]]:
+    """The simulated capacities (from --sizes or --blocks) and the bytes each stands for
+    (None without --kv-bytes-per-block); ValueError on a bad list."""
+    if args.sizes:
+        if not args.kv_bytes_per_block or args.kv_bytes_per_block <= 0:
+            raise ValueError("--sizes needs --kv-bytes-per-block (a positive byte count)")
+        sizes_bytes: list[int | None] = list(_parse_list(args.sizes, "--sizes", parse_bytes))
+        caps = [
+            blocks_for_bytes(b or 0, args.kv_bytes_per_block, args.blocks_per_chunk)
+            for b in sizes_bytes
+        ]
+    else:
+        caps = _parse_list(args.blocks, "--blocks", int)
+        sizes_bytes = [
+            c * args.kv_bytes_per_block * args.blocks_per_chunk if args.kv_bytes_per_block else None
+            for c in caps
+        ]
+    if any(c < 0 for c in caps):
+        raise ValueError("sizes must not be negative")
+    return caps, sizes_bytes
+
+
 def run(argv: Sequence[str], out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> int:
     args = parser().parse_args(argv)
     path = Path(args.events)
     try:
-        if args.sizes:
-            if not args.kv_bytes_per_block or args.kv_bytes_per_block <= 0:
-                raise ValueError("--sizes needs --kv-bytes-per-block (a positive byte count)")
-            sizes_bytes: list[int | None] = list(_parse_list(args.sizes, "--sizes", parse_bytes))
-            caps = [
-                blocks_for_bytes(b or 0, args.kv_bytes_per_block, args.blocks_per_chunk)
-                for b in sizes_bytes
-            ]
-        else:
-            caps = _parse_list(args.blocks, "--blocks", int)
-            sizes_bytes = [
-                c * args.kv_bytes_per_block * args.blocks_per_chunk
-                if args.kv_bytes_per_block
-                else None
-                for c in caps
-            ]
-        if any(c < 0 for c in caps):
-            raise ValueError("sizes must not be negative")
+        caps, sizes_bytes = _capacities(args)
         if args.seeds < 1:
             raise ValueError("--seeds must be at least 1")
         if not 0 < args.sample_rate <= 1:

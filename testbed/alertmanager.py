@@ -91,6 +91,8 @@ def config_for_test(source: Path, receiver_url: str) -> dict[str, Any]:
     grouping waits shortened so a test does not wait minutes; routes and inhibitions are
     left exactly as committed."""
     cfg = yaml.safe_load(source.read_text())
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source}: not a YAML mapping")
     for r in cfg["receivers"]:
         for hook in r.get("webhook_configs", []):
             hook["url"] = f"{receiver_url}/{r['name']}"

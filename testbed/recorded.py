@@ -25,6 +25,14 @@ def _line(name: str, labels: dict[str, str], value: float) -> str:
     return f"{name}{{{lab}}} {value!r}"
 
 
+def _sample(exposition: str, name: str) -> float:
+    """The value of the first labelled sample of `name` in `exposition`."""
+    found = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)", exposition, re.M)
+    if found is None:
+        raise ValueError(f"no {name} sample in the recorded /metrics")
+    return float(found.group(1))
+
+
 def request_sequence(run: Path) -> list[str]:
     records = json.loads((run / "latency.json").read_text())
     after = (run / "metrics_after.txt").read_text()
@@ -34,12 +42,8 @@ def request_sequence(run: Path) -> list[str]:
     assert model is not None
     base = {"model_name": model.group(1), "engine": "0"}
     if offload:
-        load_b = float(
-            re.search(r"^vllm:kv_offload_load_bytes_total\{[^}]*\} (\S+)", after, re.M).group(1)
-        )  # type: ignore[union-attr]
-        load_t = float(
-            re.search(r"^vllm:kv_offload_load_time_total\{[^}]*\} (\S+)", after, re.M).group(1)
-        )  # type: ignore[union-attr]
+        load_b = _sample(after, "vllm:kv_offload_load_bytes_total")
+        load_t = _sample(after, "vllm:kv_offload_load_time_total")
         bandwidth = load_b / load_t
     c = {
         k: 0.0

@@ -127,14 +127,14 @@ def runtime_dependencies(python_version: str = "3.12") -> dict[str, str]:
     from packaging.markers import default_environment
     from packaging.requirements import Requirement
 
-    env = {
-        **default_environment(),
-        "python_version": python_version,
-        "python_full_version": f"{python_version}.0",
-        "sys_platform": "linux",
-        "platform_system": "Linux",
-        "extra": "",
-    }
+    env = {key: str(value) for key, value in default_environment().items()}
+    env.update(
+        python_version=python_version,
+        python_full_version=f"{python_version}.0",
+        sys_platform="linux",
+        platform_system="Linux",
+        extra="",
+    )
     found: dict[str, str] = {}
     todo = [Requirement(r) for r in image_requirements()]
     while todo:

@@ -16,6 +16,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from testbed.procs import free_port, start, stop, wait_http
 
@@ -44,11 +45,18 @@ BLOCK_SIZE = 128  # vLLM's CPU backend block size
 MODEL_NAME = "tiny-llama"
 
 
+def _int_field(cfg: dict[str, object], key: str) -> int:
+    value = cfg[key]
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"model config {key}: {value!r} is not an integer")
+    return int(value)
+
+
 def kv_bytes_per_token(cfg: dict[str, object] = TINY_MODEL, dtype_bytes: int = 4) -> int:
     """K and V per layer per KV head per head dim."""
-    layers = int(cfg["num_hidden_layers"])  # type: ignore[call-overload]
-    heads = int(cfg["num_key_value_heads"])  # type: ignore[call-overload]
-    head_dim = int(cfg["head_dim"])  # type: ignore[call-overload]
+    layers = _int_field(cfg, "num_hidden_layers")
+    heads = _int_field(cfg, "num_key_value_heads")
+    head_dim = _int_field(cfg, "head_dim")
     return 2 * layers * heads * head_dim * dtype_bytes
 
 
@@ -141,7 +149,9 @@ class VllmServer:
         self.proc = None
 
 
-def complete(url: str, prompt: list[int], max_tokens: int = 1, timeout: float = 120.0) -> dict:
+def complete(
+    url: str, prompt: list[int], max_tokens: int = 1, timeout: float = 120.0
+) -> dict[str, Any]:
     body = json.dumps(
         {
             "model": MODEL_NAME,

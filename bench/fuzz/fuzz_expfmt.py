@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 import atheris
+from atheris.import_hook import instrument_imports  # the stubs' top level omits it
 
-with atheris.instrument_imports():
+with instrument_imports():
     from exporter import expfmt
 
 from prometheus_client.parser import text_string_to_metric_families

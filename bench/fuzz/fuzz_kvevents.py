@@ -16,8 +16,9 @@ from pathlib import Path
 
 import atheris
 import msgspec
+from atheris.import_hook import instrument_imports  # the stubs' top level omits it
 
-with atheris.instrument_imports():
+with instrument_imports():
     from exporter import kvevents_codec as codec
 
 SEEDS = Path(__file__).resolve().parents[2] / "tests/fixtures/vllm-0.32.0-cpu/kv-events.jsonl"

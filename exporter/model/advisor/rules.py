@@ -161,7 +161,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
     return _evaluate_off(inp, th, advice, headroom)
 
 
-def _evaluate_on(
+def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the policy, read top to bottom
     inp: AdvisorInput,
     th: Thresholds,
     advice: Callable[..., Advice],
@@ -373,7 +373,7 @@ def _smaller_size(inp: AdvisorInput, th: Thresholds) -> WhatIfPoint | None:
     return min(enough, key=lambda p: p.cpu_buffer_bytes) if enough else None
 
 
-def _evaluate_off(
+def _evaluate_off(  # noqa: PLR0911  a decision list: rule order is the policy, read top to bottom
     inp: AdvisorInput, th: Thresholds, advice: Callable[..., Advice], headroom: float | None
 ) -> Advice:
     d = inp.derived

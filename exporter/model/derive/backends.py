@@ -217,7 +217,7 @@ def simple_ratios(
     return _ratio(per.get("stored", 0.0), total), _ratio(dropped, total)
 
 
-def nixl_link_type(ucx_tls: str | None, nvlink_active: bool | None = None) -> str:
+def nixl_link_type(ucx_tls: str | None, nvlink_active: bool | None = None) -> str:  # noqa: PLR0911  one return per case, in the docstring's order
     """The KV path NIXL can take: nvlink, rdma, cuda_ipc, tcp, or unknown.
 
     NVML's NVLink state decides where it is readable (NOT_SUPPORTED on single-GPU VMs).

@@ -433,31 +433,39 @@ class NvmlPoller:
         dev.method = None
 
     def _probe(self, dev: _Device, method: str, now: float) -> bool:
-        i = dev.index
         if method == METHOD_FIELD_COUNTER:
-            readings = self._read(dev, method, self.api.pcie_counters, i)
-            if readings is None:
-                return False
-            bad = next((r.ret for r in readings if r.ret in DISABLING), None)
-            if bad is not None:
-                self._disable(dev, method, bad)
-                return False
-            fatal = next((r.ret for r in readings if r.ret in FATAL), None)
-            if fatal is not None:
-                raise self._fatal(dev, "PCIe byte counters", fatal)
-            self._apply_counters(dev, readings, now)
-            return True
+            return self._probe_counters(dev, method, now)
         if method == METHOD_GPM:
-            if not self._read(dev, method, self.api.gpm_supported, i):
-                dev.disabled.add(method)
-                return False
-            # The first call only takes the baseline sample.
-            self._read(dev, method, self.api.gpm_pcie_rates, i)
-            if method in dev.disabled:
-                return False
-            dev.rate_at = now
-            return True
-        rates = self._read(dev, method, self.api.pcie_throughput, i)
+            return self._probe_gpm(dev, method, now)
+        return self._probe_throughput(dev, method, now)
+
+    def _probe_counters(self, dev: _Device, method: str, now: float) -> bool:
+        readings = self._read(dev, method, self.api.pcie_counters, dev.index)
+        if readings is None:
+            return False
+        bad = next((r.ret for r in readings if r.ret in DISABLING), None)
+        if bad is not None:
+            self._disable(dev, method, bad)
+            return False
+        fatal = next((r.ret for r in readings if r.ret in FATAL), None)
+        if fatal is not None:
+            raise self._fatal(dev, "PCIe byte counters", fatal)
+        self._apply_counters(dev, readings, now)
+        return True
+
+    def _probe_gpm(self, dev: _Device, method: str, now: float) -> bool:
+        if not self._read(dev, method, self.api.gpm_supported, dev.index):
+            dev.disabled.add(method)
+            return False
+        # The first call only takes the baseline sample.
+        self._read(dev, method, self.api.gpm_pcie_rates, dev.index)
+        if method in dev.disabled:
+            return False
+        dev.rate_at = now
+        return True
+
+    def _probe_throughput(self, dev: _Device, method: str, now: float) -> bool:
+        rates = self._read(dev, method, self.api.pcie_throughput, dev.index)
         if rates is None:
             return method not in dev.disabled
         dev.rate_at = now
