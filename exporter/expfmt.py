@@ -92,7 +92,7 @@ def _parse_value(text: str, lineno: int, line: str) -> float:
     return value
 
 
-def parse(text: str, wanted: Collection[str]) -> list[Sample]:
+def parse(text: str, wanted: Collection[str]) -> list[Sample]:  # noqa: PLR0912  the per-line hot loop of every scrape: inline, a call per line costs (bench/parse_bench.py)
     """Return the samples whose name is in `wanted`, in body order.
 
     Raises ExpositionError on a malformed body, or on a wanted series that appears
