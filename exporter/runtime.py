@@ -350,15 +350,18 @@ class Exporter:
             if ts.cgroup is not None:
                 yield from cgroup_families(ts.label, ts.cgroup.snapshot())
         by_label = {t.label: t for t in result.targets}
+        derived_now = result.derived()
         for ts in self.watched:
             if ts.kv_events is not None:
                 latest = ts.target.window.latest
                 sim = by_label[ts.label].simulation if ts.label in by_label else None
+                per_token = {d.key: d.kv_bytes_per_token for d in derived_now.get(ts.label, ())}
                 yield from kv_events_families(
                     ts.label,
                     ts.kv_events.snapshot(),
                     latest.engines if latest is not None else (),
                     sim or {},
+                    per_token,
                 )
         derived = result.derived()
         covered = {t.label: t.covered_seconds for t in result.targets}

@@ -32,7 +32,7 @@ import zmq
 from exporter.config import Config
 from exporter.options import TargetConfig
 from exporter.runtime import Exporter, kv_events_settings
-from exporter.sources import CollectError, ErrorKind
+from exporter.sources import CollectError, ErrorKind, Source
 from exporter.sources.cgroup import CgroupSource
 from exporter.sources.kv_events.discovery import StreamSpec
 from exporter.sources.kv_events.receiver import Receiver
@@ -117,6 +117,9 @@ async def golden_exposition() -> str:
         targets=(tc, *extra_configs),
         interval=1.0,
         window=300.0,
+        # A collection never times out here, however loaded the machine: timeouts are the
+        # fault tests' business, and the golden must not depend on the wall clock.
+        scrape_timeout=600.0,
         # The run is 40 s long: the advisor decides after 15 s instead of the default 120.
         thresholds=replace(DEFAULT, min_window_seconds=15),
         whatif_sizes=tuple(int(g * (1 << 30)) for g in (0.125, 0.25, 0.5, 1, 2, 4)),
@@ -162,7 +165,7 @@ async def golden_exposition() -> str:
     spec = StreamSpec(0, "tcp://127.0.0.1:1", False)
     kv.receiver = Receiver(zmq.Context.instance(), [spec], kv.queue, kv.counters, threading.Event())
     kv.receiver.is_alive = lambda: True  # type: ignore[method-assign]
-    sources = [target, *others, nvml, procfs, cgroup, kv]
+    sources: list[Source] = [target, *others, nvml, procfs, cgroup, kv]
     exporter = Exporter(cfg, sources, clock=clock, timer=lambda: 0.0)
     for t in (target, *others):
         await t.start()

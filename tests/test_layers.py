@@ -120,8 +120,9 @@ def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for mod, path in names.items():
         deps = set()
-        for imp in imports(path):
+        for name in imports(path):
             # An import of a.b.c also runs a and a.b: depend on the deepest module named.
+            imp = name
             while imp and imp not in names:
                 imp = imp.rpartition(".")[0]
             if imp and imp != mod and imp.startswith("exporter"):
@@ -138,7 +139,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         stack.append(node)
         for dep in sorted(graph.get(node, ())):
-            if dep.startswith(node + ".") or node.startswith(dep + ".") and dep == "exporter":
+            if dep.startswith(node + ".") or (node.startswith(dep + ".") and dep == "exporter"):
                 continue
             if state.get(dep) == 1:
                 return [*stack[stack.index(dep) :], dep]
@@ -170,7 +171,8 @@ def test_runtime_asks_no_source_for_anything_by_name() -> None:
     calls = [
         n.func.id
         for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
         and n.func.id in ("getattr", "hasattr")
     ]
     assert calls == []

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from exporter.kvevents_codec import EventBatch, Message, decode_batch
+from exporter.kvevents_codec import BlockStored, EventBatch, Message, decode_batch
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -174,7 +174,7 @@ def test_pool_reproduces_h200_fixture_counts() -> None:
         len(e.hashes)
         for m in msgs
         for e in m.batch.events
-        if type(e).__name__ == "BlockStored" and e.medium == "GPU"
+        if isinstance(e, BlockStored) and e.medium == "GPU"
     )
     # README (b_offload): BlockStored/GPU 2005 blocks = 5 x (100 + 1 re-stored + 3 x 100).
     assert stored == 2005

@@ -7,8 +7,16 @@ from collections.abc import Iterable, Mapping
 
 from exporter.catalogue import Family
 from exporter.model.whatif.engine import EngineSnapshot
+from exporter.model.whatif.simulator import (
+    REUSE_GAP_BLOCK_EDGES,
+    REUSE_GAP_SECOND_EDGES,
+    bucket_quantile,
+)
 from exporter.sources.kv_events.source import KvEventsSnapshot
 from exporter.vllm_metrics import EngineKey
+
+# The gap that covers this share of the returns (promtool reserves `quantile` for summaries).
+REUSE_GAP_SHARES = (0.5, 0.9)
 
 
 def kv_events_families(
@@ -16,10 +24,12 @@ def kv_events_families(
     snapshot: KvEventsSnapshot | None,
     engine_keys: Iterable[EngineKey],
     engines: Mapping[int, EngineSnapshot],
+    kv_bytes_per_token: Mapping[EngineKey, float | None] | None = None,
 ) -> list[Family]:
     """`engine_keys`: the engines of the target's latest scrape (they give each DP rank its
     model_name; an engine not scraped yet gets no per-engine series). `engines`: the
-    simulation state per DP rank (WhatIf.snapshots())."""
+    simulation state per DP rank (WhatIf.snapshots()). `kv_bytes_per_token`: per engine,
+    to put bytes on token counts (absent: no byte series)."""
     dropped = Family("kvoffload_kv_events_dropped_total")
     depth = Family("kvoffload_kv_event_queue_depth")
     gaps = Family("kvoffload_kv_event_gaps_total")
@@ -42,6 +52,7 @@ def kv_events_families(
     resident = Family("kvoffload_kv_resident_blocks")
     recomputed = Family("kvoffload_recomputed_after_eviction_tokens_total")
     tracked = Family("kvoffload_whatif_tracked_blocks")
+
     for rank, es in sorted(engines.items()):
         key = keys.get(str(rank))
         if key is None:
@@ -55,6 +66,7 @@ def kv_events_families(
         recomputed.add(labels, es.recomputed_tokens)
         if es.capacities is not None:
             tracked.add(labels, es.tracked_blocks)
+
     return [
         dropped,
         depth,
@@ -67,4 +79,40 @@ def kv_events_families(
         resident,
         recomputed,
         tracked,
+        *evidence_families(target, keys, engines, kv_bytes_per_token or {}),
     ]
+
+
+def evidence_families(
+    target: str,
+    keys: Mapping[str, EngineKey],
+    engines: Mapping[int, EngineSnapshot],
+    kv_bytes_per_token: Mapping[EngineKey, float | None],
+) -> list[Family]:
+    """What the KV events show that vLLM does not export: stores the CPU tier dropped
+    unused, and how far back the blocks that return after an eviction were computed."""
+    wasted = Family("kvoffload_offload_wasted_stores_total")
+    wasted_bytes = Family("kvoffload_offload_wasted_store_bytes_total")
+    wasted_ratio = Family("kvoffload_offload_wasted_store_ratio")
+    gap_bytes = Family("kvoffload_reuse_gap_bytes")
+    gap_seconds = Family("kvoffload_reuse_gap_seconds")
+    for rank, es in sorted(engines.items()):
+        ek = keys.get(str(rank))
+        if ek is None:
+            continue
+        labels = [target, ek.model_name, ek.engine]
+        per_token = kv_bytes_per_token.get(ek)
+        if es.cpu_stored:
+            wasted.add(labels, es.wasted_stores)
+            if per_token:
+                wasted_bytes.add(labels, es.wasted_store_tokens * per_token)
+        if es.cpu_removed:
+            wasted_ratio.add(labels, es.wasted_stores / es.cpu_removed)
+        for share in REUSE_GAP_SHARES:
+            blocks = bucket_quantile(REUSE_GAP_BLOCK_EDGES, es.reuse_gap_blocks, share)
+            if blocks is not None and per_token and es.block_size:
+                gap_bytes.add([*labels, f"{share:g}"], blocks * es.block_size * per_token)
+            seconds = bucket_quantile(REUSE_GAP_SECOND_EDGES, es.reuse_gap_seconds, share)
+            if seconds is not None:
+                gap_seconds.add([*labels, f"{share:g}"], seconds)
+    return [wasted, wasted_bytes, wasted_ratio, gap_bytes, gap_seconds]

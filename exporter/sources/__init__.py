@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from exporter.catalogue import Family
 from exporter.logs import log_event
 
 log = logging.getLogger("kvoe.sources")

@@ -107,6 +107,15 @@ class EngineSnapshot:
     policy_blocks: int | None = None
     policy_start: float | None = None
     policy_buckets: tuple[PolicyBucket, ...] = ()
+    # The CPU tier's own events (offload on): chunks stored, dropped, dropped unloaded.
+    cpu_stored: int = 0
+    cpu_removed: int = 0
+    wasted_stores: int = 0
+    wasted_store_tokens: int = 0
+    # Blocks back after a GPU eviction, counted per bucket of REUSE_GAP_*_EDGES.
+    reuse_gap_blocks: tuple[int, ...] = ()
+    reuse_gap_seconds: tuple[int, ...] = ()
+    block_size: int = 0  # tokens per GPU block, once an event said it
 
 
 class StreamItemLike(Protocol):
@@ -295,6 +304,13 @@ class EngineSim:
             policy_blocks=self.config.policy_blocks if self.config and self.policy_sims else None,
             policy_start=self.policy_start,
             policy_buckets=self.policy_buckets.snapshot(),
+            cpu_stored=st.cpu_stored,
+            cpu_removed=st.cpu_removed,
+            wasted_stores=st.wasted,
+            wasted_store_tokens=st.wasted_tokens,
+            reuse_gap_blocks=tuple(st.reuse_gap_blocks.counts),
+            reuse_gap_seconds=tuple(st.reuse_gap_seconds.counts),
+            block_size=self.builder.block_size,
         )
 
 

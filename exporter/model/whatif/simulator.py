@@ -79,6 +79,50 @@ class Access:
 
 
 @dataclass(slots=True)
+class GapHistogram:
+    """Counts of eviction-to-reuse gaps in fixed buckets (upper edges, the last one open)."""
+
+    edges: tuple[float, ...]
+    counts: list[int]
+
+    @classmethod
+    def of(cls, edges: tuple[float, ...]) -> GapHistogram:
+        return cls(edges, [0] * (len(edges) + 1))
+
+    def add(self, value: float) -> None:
+        self.counts[bisect_left(self.edges, value)] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def quantile(self, q: float) -> float | None:
+        return bucket_quantile(self.edges, self.counts, q)
+
+
+def bucket_quantile(edges: Sequence[float], counts: Sequence[int], q: float) -> float | None:
+    """The upper edge of the bucket holding the q-quantile (inf past the last edge); None
+    without observations. An upper bound: a tier that large would have caught that share."""
+    total = sum(counts)
+    if total == 0:
+        return None
+    need = q * total
+    seen = 0
+    for i, n in enumerate(counts):
+        seen += n
+        if n and seen >= need:
+            return edges[i] if i < len(edges) else math.inf
+    return math.inf
+
+
+# Gaps of blocks that come back after a GPU eviction: in GPU block stores since the block
+# was computed (what a CPU tier offloading every computed block must hold to still have it),
+# and in seconds since the eviction. Powers of two; 0.1 s to about 3 hours.
+REUSE_GAP_BLOCK_EDGES: tuple[float, ...] = tuple(float(1 << i) for i in range(31))
+REUSE_GAP_SECOND_EDGES: tuple[float, ...] = tuple(0.1 * (1 << i) for i in range(17))
+
+
+@dataclass(slots=True)
 class TraceStats:
     """Per-engine accounting of the GPU and CPU event streams."""
 
@@ -93,6 +137,18 @@ class TraceStats:
     unknown_parent: int = 0
     overflow: int = 0
     events: dict[tuple[str, str], int] = field(default_factory=dict)
+    # The CPU tier (medium="CPU" events, offload on): chunks stored, chunks dropped, and of
+    # those dropped the ones no request loaded while they were held (stores for nothing).
+    cpu_stored: int = 0
+    cpu_removed: int = 0
+    wasted: int = 0
+    wasted_tokens: int = 0
+    reuse_gap_blocks: GapHistogram = field(
+        default_factory=lambda: GapHistogram.of(REUSE_GAP_BLOCK_EDGES)
+    )
+    reuse_gap_seconds: GapHistogram = field(
+        default_factory=lambda: GapHistogram.of(REUSE_GAP_SECOND_EDGES)
+    )
 
 
 class TraceBuilder:
@@ -119,7 +175,11 @@ class TraceBuilder:
         self.parent: dict[int, int | None] = {}
         self.gpu_refs: dict[int, int] = {}  # copies of a hash beyond the first
         self.cpu: dict[int, int] = {}
-        self.evicted: OrderedDict[int, None] = OrderedDict()
+        self.cpu_loaded: set[int] = set()  # CPU-held keys a request loaded since stored
+        # GPU block -> the count of GPU block stores when it was computed (its age in stores)
+        self.born: dict[int, int] = {}
+        # evicted block -> (eviction time, its birth in stores), oldest first
+        self.evicted: OrderedDict[int, tuple[float, int]] = OrderedDict()
         self.tails: OrderedDict[int, tuple[int, int]] = OrderedDict()  # tail -> (req, seq)
         self.stats = TraceStats()
         self._next_req = 0
@@ -133,11 +193,18 @@ class TraceBuilder:
     def cpu_resident(self) -> int:
         return len(self.cpu)
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per GPU block, from the last GPU store that said it (0 before one)."""
+        return self._block_size
+
     def reset(self) -> None:
         """A publisher restart: the engine's caches are empty again."""
         self.parent.clear()
         self.gpu_refs.clear()
         self.cpu.clear()
+        self.cpu_loaded.clear()
+        self.born.clear()
         self.tails.clear()
 
     def _count(self, kind: str, medium: str) -> None:
@@ -163,11 +230,12 @@ class TraceBuilder:
                 self.gpu_refs[h] = self.gpu_refs.get(h, 0) + 1
             elif len(self.parent) < self.max_resident:
                 self.parent[h] = prev
+                self.born[h] = self.stats.stored_blocks
             else:
                 self.stats.overflow += 1
             prev = h
 
-    def _remove_gpu(self, h: int) -> None:
+    def _remove_gpu(self, h: int, ts: float) -> None:
         extra = self.gpu_refs.get(h)
         if extra:
             if extra == 1:
@@ -177,7 +245,7 @@ class TraceBuilder:
             return
         if self.parent.pop(h, _MISSING) is _MISSING:
             return
-        self.evicted[h] = None
+        self.evicted[h] = (ts, self.born.pop(h, self.stats.stored_blocks))
         self.evicted.move_to_end(h)
         if len(self.evicted) > self.max_evicted:
             self.evicted.popitem(last=False)
@@ -193,34 +261,47 @@ class TraceBuilder:
             if isinstance(ev, BlockStored):
                 self._count("BlockStored", ev.medium)
                 if ev.medium == MEDIUM_GPU:
-                    access = self._stored_gpu(ev, seq)
+                    access = self._stored_gpu(ev, seq, batch.ts)
                     if access is not None:
                         out.append(access)
                 elif ev.medium == MEDIUM_CPU:
                     for h in ev.hashes:
                         self.cpu[h] = self.cpu.get(h, 0) + 1
+                        self.stats.cpu_stored += 1
             elif isinstance(ev, BlockRemoved):
                 self._count("BlockRemoved", ev.medium)
                 if ev.medium == MEDIUM_GPU:
                     for h in ev.hashes:
-                        self._remove_gpu(h)
+                        self._remove_gpu(h, batch.ts)
                         self.tails.pop(h, None)
                 elif ev.medium == MEDIUM_CPU:
                     for h in ev.hashes:
-                        n = self.cpu.get(h, 0)
-                        if n > 1:
-                            self.cpu[h] = n - 1
-                        else:
-                            self.cpu.pop(h, None)
+                        self._remove_cpu(h)
             elif isinstance(ev, AllBlocksCleared):
                 self._count("AllBlocksCleared", ev.medium or "none")
                 # A prefix-cache reset is not a capacity eviction: nothing joins `evicted`.
                 self.parent.clear()
+                self.born.clear()
                 self.gpu_refs.clear()
                 self.tails.clear()
         return out
 
-    def _stored_gpu(self, ev: BlockStored, seq: int) -> Access | None:
+    def _remove_cpu(self, h: int) -> None:
+        n = self.cpu.get(h, 0)
+        if n > 1:
+            self.cpu[h] = n - 1
+            return
+        if self.cpu.pop(h, None) is None:
+            return  # stored before the stream started: its history is unknown
+        st = self.stats
+        st.cpu_removed += 1
+        if h in self.cpu_loaded:
+            self.cpu_loaded.discard(h)
+        else:
+            st.wasted += 1
+            st.wasted_tokens += self._block_size * self.bpc
+
+    def _stored_gpu(self, ev: BlockStored, seq: int, ts: float) -> Access | None:
         hashes = ev.hashes
         n = len(hashes)
         if n == 0:
@@ -236,10 +317,13 @@ class TraceBuilder:
                 if h in cpu:
                     # With offload on, a block the CPU tier holds came back by transfer.
                     st.loaded_blocks += 1
+                    self.cpu_loaded.add(h)
                 else:
                     st.recomputed_blocks += 1
                     st.recomputed_tokens += bs
-                del evicted[h]
+                evicted_at, born = evicted.pop(h)
+                st.reuse_gap_blocks.add(st.stored_blocks - born)
+                st.reuse_gap_seconds.add(max(0.0, ts - evicted_at))
         cont = self.tails.pop(ev.parent, None) if ev.parent is not None else None
         if cont is not None and n == 1 and seq != cont[1]:
             # A running request grew by one full block: decode output, not offloaded.
