@@ -35,6 +35,10 @@ class Thresholds:
     whatif_gain_material: float = 0.02
     # Smallest buffer reaching this share of the best achievable what-if hit ratio.
     whatif_knee_share: float = 0.90
+    # Of the chunks the CPU tier dropped (KV events), the share never loaded above which a
+    # store threshold is worth recommending, once this many chunks were dropped.
+    wasted_store_share_high: float = 0.80
+    min_dropped_chunks: float = 100.0
     # Evidence needed before advising: window coverage and prompt tokens seen.
     min_window_seconds: float = 120.0
     min_prompt_tokens: float = 50_000.0

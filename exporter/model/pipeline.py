@@ -13,13 +13,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from exporter.model.advisor.hysteresis import Advisor
-from exporter.model.advisor.types import Advice, AdvisorInput, MemoryState, PolicyPoint, WhatIfState
+from exporter.model.advisor.types import (
+    Advice,
+    AdvisorInput,
+    MemoryState,
+    PolicyPoint,
+    TierEvidence,
+    WhatIfState,
+)
 from exporter.model.derive.engines import EngineDerived, derive_target
 from exporter.model.derive.peers import with_peer_recompute
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.whatif.engine import EngineSnapshot, WhatIf, WhatIfSettings
 from exporter.model.whatif.plan import sim_config
-from exporter.model.whatif.view import engine_rank, policy_points, whatif_state
+from exporter.model.whatif.view import engine_rank, policy_points, tier_evidence, whatif_state
 from exporter.thresholds import DEFAULT, Thresholds
 from exporter.vllm_metrics import EngineKey
 
@@ -111,6 +118,7 @@ class Pipeline:
                     memory=memory_for(d, t.memory),
                     pcie_utilization=inputs.pcie_utilization,
                     policy_alternatives=policies,
+                    evidence=self._evidence(t.label, d),
                 )
                 advice = self.advisor.update(t.label, inp)
                 self._recommended[(t.label, d.key)] = advice.recommended_buffer_bytes
@@ -137,6 +145,13 @@ class Pipeline:
                 )
             )
         return CycleResult(inputs.now, tuple(out))
+
+    def _evidence(self, label: str, d: EngineDerived) -> TierEvidence | None:
+        w = self._whatif.get(label)
+        rank = engine_rank(d.key)
+        if w is None or rank is None:
+            return None
+        return tier_evidence(w.snapshots().get(rank), d)
 
     def _whatif_view(
         self, t: TargetInputs, d: EngineDerived

@@ -19,6 +19,7 @@ from exporter.model.advisor.types import (
     AdvisorInput,
     PolicyPoint,
     Reason,
+    TierEvidence,
     WhatIfPoint,
 )
 from exporter.model.derive.engines import EngineDerived
@@ -27,7 +28,12 @@ from exporter.thresholds import DEFAULT, Thresholds
 # Reasons after which a better eviction policy changes nothing: reloads do not pay at all,
 # or the evidence is missing.
 _NO_POLICY_NOTE = frozenset(
-    {Reason.RELOAD_SLOWER_THAN_RECOMPUTE, Reason.RELOAD_GAIN_TOO_SMALL, Reason.MEMORY_NEAR_LIMIT}
+    {
+        Reason.RELOAD_SLOWER_THAN_RECOMPUTE,
+        Reason.RELOAD_GAIN_TOO_SMALL,
+        Reason.MEMORY_NEAR_LIMIT,
+        Reason.STORES_NEVER_LOADED,  # its text is the policy comparison already
+    }
 )
 
 
@@ -119,6 +125,13 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
     if inp.whatif is not None:
         numbers["recomputed_after_eviction_tokens"] = inp.whatif.recomputed_after_eviction_tokens
         numbers["whatif_configured_hit_ratio"] = inp.whatif.configured_hit_ratio
+    if inp.evidence is not None:
+        ev = inp.evidence
+        numbers["cpu_tier_dropped_chunks"] = float(ev.dropped_chunks)
+        numbers["wasted_store_ratio"] = ev.wasted_share
+        numbers["wasted_store_bytes"] = ev.wasted_bytes
+        numbers["reuse_gap_bytes_half"] = ev.reuse_gap_bytes_half
+        numbers["reuse_gap_bytes_most"] = ev.reuse_gap_bytes_most
     if inp.memory is not None:
         numbers["memory_limit_bytes"] = inp.memory.limit_bytes
         numbers["memory_usage_bytes"] = inp.memory.usage_bytes
@@ -305,6 +318,22 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
             "kv_connector_extra_config store_threshold to 2 or more so only prefixes seen "
             "repeatedly are offloaded.",
         )
+    threshold = _threshold_keeps_hits(inp, th)
+    if threshold is not None:
+        ev, base, with_threshold = threshold
+        assert ev.wasted_share is not None
+        wasted = f" ({gib(ev.wasted_bytes)})" if ev.wasted_bytes is not None else ""
+        return advice(
+            Action.RAISE_STORE_THRESHOLD,
+            Reason.STORES_NEVER_LOADED,
+            f"Offload pays, but {pct(ev.wasted_share)} of the {ev.dropped_chunks:,} chunks the "
+            f"CPU tier dropped were never loaded{wasted}: PCIe traffic and pinned memory spent "
+            f"for nothing. The what-if replay with {_policy_label(with_threshold)} serves "
+            f"{pct(with_threshold.hit_ratio)} of prompt tokens against "
+            f"{pct(base.hit_ratio)} now. Set kv_connector_extra_config "
+            f'{{"store_threshold": {with_threshold.store_threshold}}} so only prefixes seen '
+            "again are offloaded.",
+        )
     if whatif is not None and whatif.configured_hit_ratio is not None:
         grow = _bigger_size(inp, th, headroom)
         if grow is not None:
@@ -313,7 +342,7 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
                 Reason.BUFFER_TOO_SMALL,
                 f"The what-if replay reaches {pct(grow.hit_ratio)} with "
                 f"{gib(grow.cpu_buffer_bytes)} against {pct(whatif.configured_hit_ratio)} "
-                f"with the configured {gib(d.offload_buffer_bytes)}.",
+                f"with the configured {gib(d.offload_buffer_bytes)}." + _reuse_gap_note(inp),
                 grow.cpu_buffer_bytes,
             )
         shrink = _smaller_size(inp, th)
@@ -335,6 +364,52 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
         Reason.PAYING_OFF,
         f"{pct(hit)} of prompt tokens are served from the CPU tier and reloads beat "
         f"recomputing (speedup {d.transfer_speedup or float('nan'):.2f}).{gain} Keep it.",
+    )
+
+
+def _threshold_keeps_hits(
+    inp: AdvisorInput, th: Thresholds
+) -> tuple[TierEvidence, PolicyPoint, PolicyPoint] | None:
+    """(evidence, the configured setting, the same policy with a store threshold) when most
+    dropped chunks were never loaded and the threshold keeps the hit ratio in the what-if."""
+    ev = inp.evidence
+    if (
+        ev is None
+        or ev.wasted_share is None
+        or ev.dropped_chunks < th.min_dropped_chunks
+        or ev.wasted_share < th.wasted_store_share_high
+    ):
+        return None
+    base = next((p for p in inp.policy_alternatives if p.configured), None)
+    if base is None or base.store_threshold >= 2:
+        return None  # not simulated, or a threshold is already on
+    with_threshold = next(
+        (p for p in inp.policy_alternatives if p.policy == base.policy and p.store_threshold >= 2),
+        None,
+    )
+    if with_threshold is None or with_threshold.hit_ratio < base.hit_ratio - (
+        th.whatif_gain_material / 2
+    ):
+        return None
+    return ev, base, with_threshold
+
+
+def _reuse_gap_note(inp: AdvisorInput) -> str:
+    """Where the returning blocks were: a size check on the recommendation."""
+    ev = inp.evidence
+    if ev is None or ev.reuse_gap_bytes_half is None:
+        return ""
+    most = (
+        f", 90% within {gib(ev.reuse_gap_bytes_most)}"
+        if ev.reuse_gap_bytes_most is not None and math.isfinite(ev.reuse_gap_bytes_most)
+        else ""
+    )
+    half = ev.reuse_gap_bytes_half
+    if not math.isfinite(half):
+        return ""
+    return (
+        f" Half of the prefixes that came back after an eviction were computed within the "
+        f"last {gib(half)} of KV{most}."
     )
 
 
@@ -472,6 +547,6 @@ def _evaluate_off(  # noqa: PLR0911  a decision list: rule order is the policy, 
         f"{gib(knee.cpu_buffer_bytes)} would have served {pct(knee.hit_ratio)} of prompt "
         f"tokens{extra}, and reloading runs {d.transfer_speedup:.1f}x faster than recomputing. "
         f"Start vLLM with --kv-offloading-size {knee.cpu_buffer_bytes / GIB:g} "
-        "--kv-offloading-backend native.",
+        "--kv-offloading-backend native." + _reuse_gap_note(inp),
         knee.cpu_buffer_bytes,
     )

@@ -45,6 +45,7 @@ class Reason(StrEnum):
     NO_REUSE = "no_reuse"
     RELOAD_BENEFIT_UNMEASURED = "reload_benefit_unmeasured"
     STORES_WITHOUT_REUSE_PCIE_BUSY = "stores_without_reuse_pcie_busy"
+    STORES_NEVER_LOADED = "stores_never_loaded"
     BUFFER_LARGER_THAN_NEEDED = "buffer_larger_than_needed"
     PAYING_OFF = "paying_off"
     KV_EVENTS_OFF = "kv_events_off"
@@ -105,7 +106,8 @@ ACTION_INFO: Mapping[Action, ActionInfo] = MappingProxyType(
         Action.RAISE_STORE_THRESHOLD: ActionInfo(
             "raise store threshold",
             Tone.INFO,
-            "offload on; stores dwarf loads and the PCIe link is busy",
+            "offload on and paying; most stores are never loaded, and storing only prefixes "
+            "seen twice would keep the hits",
         ),
         Action.DISABLE_OFFLOAD: ActionInfo(
             "disable offload", Tone.BAD, "offload on and it does not pay"
@@ -175,6 +177,12 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
             Action.RAISE_STORE_THRESHOLD,
             "loaded bytes are below `reuse_ratio_low` of stored bytes while the PCIe link is busy",
         ),
+        Reason.STORES_NEVER_LOADED: ReasonInfo(
+            Action.RAISE_STORE_THRESHOLD,
+            "offload pays, but at least `wasted_store_share_high` of the chunks the CPU tier "
+            "dropped were never loaded (KV events), and the what-if with store_threshold 2 "
+            "keeps the hit ratio",
+        ),
         Reason.BUFFER_LARGER_THAN_NEEDED: ReasonInfo(
             Action.SHRINK_BUFFER,
             "the what-if reaches about the configured hit ratio with a smaller buffer",
@@ -232,6 +240,19 @@ class WhatIfState:
 
 
 @dataclass(frozen=True, slots=True)
+class TierEvidence:
+    """What the KV events show about the CPU tier that vLLM does not export."""
+
+    dropped_chunks: int  # chunks the CPU tier dropped (medium="CPU" BlockRemoved)
+    wasted_share: float | None  # of those, the share never loaded while held
+    wasted_bytes: float | None  # bytes stored and dropped unused (None: KV bytes unknown)
+    # Bytes computed between a returning block's computation and its return, covering half
+    # and 90% of returns: about the CPU tier that would have held them (None: no returns).
+    reuse_gap_bytes_half: float | None = None
+    reuse_gap_bytes_most: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryState:
     limit_bytes: float | None  # None: no container limit
     usage_bytes: float | None
@@ -257,8 +278,10 @@ class AdvisorInput:
     whatif: WhatIfState | None = None
     memory: MemoryState | None = None
     pcie_utilization: float | None = None  # busiest direction of the busiest GPU, 0..1
-    # The same traffic replayed with each policy/threshold (explanations only, no action).
+    # The same traffic replayed with each policy/threshold: explanations, and the check that
+    # a store threshold keeps the hits before it is recommended.
     policy_alternatives: tuple[PolicyPoint, ...] = ()
+    evidence: TierEvidence | None = None
 
 
 @dataclass(frozen=True, slots=True)

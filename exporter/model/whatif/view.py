@@ -7,11 +7,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exporter.model.advisor.types import PolicyPoint, WhatIfPoint, WhatIfState
+from exporter.model.advisor.types import PolicyPoint, TierEvidence, WhatIfPoint, WhatIfState
 from exporter.model.derive.engines import EngineDerived
 from exporter.model.whatif.engine import POLICY_COMBOS, EngineSnapshot, SimConfig
 from exporter.model.whatif.plan import engine_policy, policy_size, recompute_rate
-from exporter.model.whatif.simulator import ttft_saved_seconds_per_second
+from exporter.model.whatif.simulator import (
+    REUSE_GAP_BLOCK_EDGES,
+    bucket_quantile,
+    ttft_saved_seconds_per_second,
+)
 from exporter.vllm_metrics import EngineKey
 from exporter.window import TargetWindow
 
@@ -143,3 +147,23 @@ def whatif_state(
         else None
     )
     return WhatIfState(points, view.recomputed_tokens, conf)
+
+
+def tier_evidence(es: EngineSnapshot | None, d: EngineDerived) -> TierEvidence | None:
+    """The CPU tier's own events and the reuse gaps, for the advisor (None: no simulation)."""
+    if es is None:
+        return None
+    per_token = d.kv_bytes_per_token
+    per_block = per_token * es.block_size if per_token and es.block_size else None
+
+    def gap(share: float) -> float | None:
+        blocks = bucket_quantile(REUSE_GAP_BLOCK_EDGES, es.reuse_gap_blocks, share)
+        return blocks * per_block if blocks is not None and per_block is not None else None
+
+    return TierEvidence(
+        dropped_chunks=es.cpu_removed,
+        wasted_share=es.wasted_stores / es.cpu_removed if es.cpu_removed else None,
+        wasted_bytes=es.wasted_store_tokens * per_token if per_token and es.cpu_stored else None,
+        reuse_gap_bytes_half=gap(0.5),
+        reuse_gap_bytes_most=gap(0.9),
+    )
