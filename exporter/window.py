@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 
 from exporter.vllm_metrics import EngineKey, TargetSample
 
@@ -26,6 +27,11 @@ class Interval:
     t0: float
     t1: float
     deltas: Mapping[EngineKey, Mapping[str, float]]
+
+
+# Bound on the per-(engine, keys) point series kept by TargetWindow.points: the derivations
+# ask for a fixed handful per engine; anything beyond this is a caller asking at random.
+_POINT_SERIES_MAX = 1024
 
 
 class TargetWindow:
@@ -43,6 +49,15 @@ class TargetWindow:
         # common query (every key present in every interval) costs O(keys), not O(window).
         self._sum: dict[EngineKey, dict[str, float]] = {}
         self._present: dict[EngineKey, dict[str, int]] = {}
+        # Intervals ever appended: the one at self._intervals[i] is number
+        # self._appended - len(self._intervals) + i. Per (engine, keys), the points already
+        # extracted, tagged with their interval's number, and how far extraction has got;
+        # so points() touches each interval once, not the whole window on every call.
+        self._appended = 0
+        self._points: dict[
+            tuple[EngineKey, tuple[str, ...]],
+            tuple[list[int], deque[tuple[int, tuple[float, ...]]]],
+        ] = {}
 
     def add(self, sample: TargetSample) -> list[EngineKey]:
         """Add a scrape; return the engines on which a counter reset was detected."""
@@ -80,6 +95,7 @@ class TargetWindow:
             self.resets += 1
         if prev is not None:
             self._intervals.append(Interval(prev.ts, sample.ts, deltas))
+            self._appended += 1
             self._account(deltas, +1)
         self.latest = sample
         self.prune(sample.ts)
@@ -89,10 +105,14 @@ class TargetWindow:
         horizon = now - self.window_seconds
         while self._intervals and self._intervals[0].t0 < horizon:
             self._account(self._intervals.popleft().deltas, -1)
-        for ek in [ek for ek, t in self.last_seen.items() if t < horizon]:
+        gone = [ek for ek, t in self.last_seen.items() if t < horizon]
+        for ek in gone:
             del self.last_seen[ek]
             self.totals.pop(ek, None)
             self._last_raw.pop(ek, None)
+        if gone and self._points:
+            for key in [key for key in self._points if key[0] in gone]:
+                del self._points[key]
 
     def _account(self, deltas: Mapping[EngineKey, Mapping[str, float]], sign: int) -> None:
         for ek, d in deltas.items():
@@ -124,9 +144,19 @@ class TargetWindow:
         keys = tuple(keys)
         present = self._present.get(ek, {})
         n = len(self._intervals)
-        if n and all(present.get(k) == n for k in keys):
+        if not keys:
+            # (): every interval has them all; KeyError for an unknown engine, as ever.
+            return () if n and self._sum[ek] is not None else None
+        # How many intervals of the window hold each key: all of them, the running sums
+        # answer; none for some key, no interval has them all (the derivations ask for many
+        # quantities an engine does not export, and scanning the whole window for each was
+        # most of a cycle's derivation time once the window is full).
+        fewest = min([present.get(k, 0) for k in keys])
+        if fewest == 0:
+            return None
+        if fewest == n:
             sums = self._sum[ek]
-            return tuple(sums[k] for k in keys)
+            return tuple([sums[k] for k in keys])
         acc = [0.0] * len(keys)
         found = False
         for iv in self._intervals:
@@ -141,9 +171,20 @@ class TargetWindow:
     def points(self, ek: EngineKey, keys: Iterable[str]) -> list[tuple[float, ...]]:
         """Per-interval deltas of the given keys (intervals where all are present)."""
         keys = tuple(keys)
-        out = []
-        for iv in self._intervals:
-            d = iv.deltas.get(ek)
-            if d is not None and all(k in d for k in keys):
-                out.append(tuple(d[k] for k in keys))
-        return out
+        first = self._appended - len(self._intervals)
+        entry = self._points.get((ek, keys))
+        if entry is None:
+            if len(self._points) >= _POINT_SERIES_MAX:
+                self._points.clear()
+            entry = self._points[(ek, keys)] = ([first], deque())
+        done, points = entry
+        while points and points[0][0] < first:
+            points.popleft()
+        start = max(done[0], first)
+        if start < self._appended:
+            for seq, iv in enumerate(islice(self._intervals, start - first, None), start):
+                d = iv.deltas.get(ek)
+                if d is not None and all(k in d for k in keys):
+                    points.append((seq, tuple([d[k] for k in keys])))
+            done[0] = self._appended
+        return [p for _, p in points]

@@ -70,3 +70,17 @@ def test_whatif_growth() -> None:
     lines = [x for x in out.splitlines() if "stack one-pass, exact" in x]
     assert len(lines) == 2, out
     assert all(ratio(x, x.split()[0]) > 0 for x in lines)
+
+
+def test_exporter_cpu() -> None:
+    # Two checkouts' worth of runs from this one: the interleaving and the ratios, no timing.
+    out = bench(
+        "exporter_cpu",
+        *("--duration", "2", "--warmup", "1", "--children", "2"),
+        *("--exporter-root", f"a={REPO}", "--exporter-root", f"b={REPO}", "--host-off", "b"),
+    )
+    table = out[out.index("CPU of one core") :]
+    for name in ("a ", "b ", "b host off"):
+        line = next(x for x in table.splitlines() if x.startswith(name) and "MiB" in x)
+        assert ratio(line, name) > 0, out
+    assert "procfs:" in out and "cgroup:" in out  # the host collectors found the corpus server

@@ -175,3 +175,33 @@ def test_blank_variants_agree_with_prometheus_client(text: str) -> None:
     ours = [(s.name, s.value) for s in expfmt.parse(text, {"a"})]
     assert ours == reference
     assert ours  # the wanted sample is there
+
+
+def _outcome(text: str, wanted: set[str]) -> tuple[str, object]:
+    try:
+        return "ok", [(s.name, s.labels, repr(s.value)) for s in expfmt.parse(text, wanted)]
+    except expfmt.ExpositionError as exc:
+        return "error", str(exc)
+
+
+# Noise shaped like a vLLM body: lines that start with names, comments, bad first characters.
+LINE_NOISE = st.lists(
+    st.lists(TOKENS, max_size=12).map("".join)
+    | st.sampled_from(['a{b="c"} 1', "a 1", "a", 'abc{x="1"} 2', "a:b 3", "a 1{", "{a} 1", ""]),
+    max_size=12,
+).map("\n".join)
+
+
+@FUZZ
+@given(EXPOSITION_NOISE | LINE_NOISE | expositions().map(lambda c: c[0]))
+@example('a 1\nb{x="1"} 2\n# c\n')
+@example("a 1\n a 2\n")  # a blank-led line: the per-line loop
+@example("a 1\n\xa0\n{b} 2\na 3\n")  # whitespace-only, then a bad line, then a duplicate
+@example('a 1{x="y"}\n')  # blank before a brace: no wanted name here
+@example('a 1{x="y"}\nb {c="d"} 1\n')  # ... unless some line has " {": names cut at blanks
+@example("a")
+def test_found_lines_answer_as_the_per_line_loop(text: str) -> None:
+    """The regex path (wanted names the re engine can find) gives the same samples and the
+    same errors as the per-line loop, which a name it cannot find ("\\n") forces."""
+    wanted = {"a", "abc", "a:b", "vllm:prefix_cache_hits_total"}
+    assert _outcome(text, wanted) == _outcome(text, wanted | {"\n"})

@@ -28,27 +28,55 @@ def _escape_help(text: str, openmetrics: bool) -> str:
     return text.replace('"', '\\"') if openmetrics else text
 
 
+# Each series' text up to its value ('name{k="v",...} '): the same label sets come back
+# every cycle, so joining and escaping them once is most of the rendering saved. Bounded;
+# cleared when full (a target whose pids or engines churn cannot grow it without limit).
+_HEADS: dict[tuple[str, tuple[str, ...]], str] = {}
+_HEADS_MAX = 1 << 16
+
+
+def _head(name: str, names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    key = (name, values)
+    head = _HEADS.get(key)
+    if head is None:
+        labels = ",".join(f'{k}="{_escape_label(v)}"' for k, v in zip(names, values, strict=True))
+        head = f"{name}{{{labels}}} "
+        if len(_HEADS) >= _HEADS_MAX:
+            _HEADS.clear()
+        _HEADS[key] = head
+    return head
+
+
+def _number(value: float) -> str:
+    """prometheus_client's floatToGoString, without its cost for the common case."""
+    text = repr(float(value))
+    # repr is the answer unless the value is not finite ('inf', '-inf', 'nan') or positive
+    # with more than six digits before the point (Go's exponent form): leave those to it.
+    if text.find(".") > 6 or text[-1] in "fn":
+        return floatToGoString(value)  # type: ignore[no-untyped-call,no-any-return]
+    return text
+
+
 def _render(families: Iterable[Family], openmetrics: bool) -> bytes:
     out: list[str] = []
+    append = out.append
     for fam in families:
         d = fam.definition
         mtype = "counter" if d.type == "counter" else "gauge"
         # OpenMetrics names the counter family without _total; the text format with it.
         meta = d.name.removesuffix("_total") if openmetrics and mtype == "counter" else d.name
-        out.append(f"# HELP {meta} {_escape_help(d.help, openmetrics)}")
-        out.append(f"# TYPE {meta} {mtype}")
-        names = d.labels
+        append(f"# HELP {meta} {_escape_help(d.help, openmetrics)}")
+        append(f"# TYPE {meta} {mtype}")
+        name, names = d.name, d.labels
+        info = d.type == "info"
         for values, value in fam.samples:
-            number = floatToGoString(1.0 if d.type == "info" else value)  # type: ignore[no-untyped-call]
+            number = "1.0" if info else _number(value)
             if names:
-                labels = ",".join(
-                    f'{k}="{_escape_label(v)}"' for k, v in zip(names, values, strict=True)
-                )
-                out.append(f"{d.name}{{{labels}}} {number}")
+                append(_head(name, names, values) + number)
             else:
-                out.append(f"{d.name} {number}")
+                append(f"{name} {number}")
     if openmetrics:
-        out.append("# EOF")
+        append("# EOF")
     return ("\n".join(out) + "\n").encode("utf-8")
 
 
@@ -76,7 +104,8 @@ class Exposition:
         if cached is not None:
             return cached
         if compressed:
-            data = gzip.compress(self.body(fmt, False), compresslevel=5)
+            # Level 1: a fifth of level 5's CPU for ~10 % more bytes on the wire.
+            data = gzip.compress(self.body(fmt, False), compresslevel=1)
         else:
             data = _render(self._families, fmt == OPENMETRICS)
         self._cache[key] = data
