@@ -1,0 +1,1048 @@
+#!/usr/bin/env python3
+"""The real-GPU matrix driver (issue 16, section 2): data-driven scenarios (bench/gpu/scenarios/),
+one vLLM server per scenario, traffic from a seeded generator at its scheduled times with up to
+max_inflight requests in flight, recorded as a replayable directory per run:
+
+    metrics.jsonl.xz    {"t": unix s, "body": vLLM /metrics text}, one line per 1 s scrape
+    kv_events.jsonl.xz  {"topic", "seq", "payload": [ts, [event maps], dp_rank]}, ints as hashes
+    requests.jsonl.xz   one line per request: i, id, slot, t_sched, t_send, t_end, ttft_s,
+                        status, prompt_tokens, cached_tokens, sent_tokens, tags
+    meta.json           vllm_argv, link_bandwidth_bytes_per_second, kv_bytes_per_token, the
+                        scenario, the GPU, versions, the traffic window, recorder statistics
+    server_log.txt      vLLM's log: head, warnings/errors, tail
+
+No exporter runs (recordings are replayed offline). Servers of a group start together; their
+turns run one at a time, so no traffic shares the GPU with another run's.
+
+On the H200 machine (after bench/gpu/device_setup.sh), detached so that it outlives the call:
+    PYTHONPATH=/tmp/kvoe-gpu/site:$PWD python3 bench/gpu/matrix.py run --runs A,B,... \
+        --work /tmp/kvoe-matrix --deadline-in 1300 --detach
+    python3 bench/gpu/matrix.py collect --work /tmp/kvoe-matrix --out "$OUT" --wait-s 560
+Here:
+    .venv/bin/python bench/gpu/matrix.py plan --runs A,B,... --budget 1300
+    .venv/bin/python bench/gpu/matrix.py show --runs A,B,...
+    .venv/bin/python bench/gpu/matrix.py smoke          # the tiny model on the vLLM CPU server
+    .venv/bin/python bench/gpu/matrix.py unpack .gpu/matrix/*/runs-*.tar \
+        --dest tests/fixtures/gpu/matrix
+    .venv/bin/python bench/gpu/matrix.py truth tests/fixtures/gpu/matrix
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import lzma
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import acceptance as acc  # noqa: E402
+import matrixkit as mk  # noqa: E402
+
+T0 = time.monotonic()
+LOG_FH: Any = None
+OUT_FILE_LIMIT = 15 * (1 << 20)
+
+
+def log(msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')} {time.monotonic() - T0:7.1f}s] {msg}"
+    print(line, flush=True)
+    if LOG_FH is not None:
+        with contextlib.suppress(OSError, ValueError):
+            LOG_FH.write(line + "\n")
+            LOG_FH.flush()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Client: open-loop schedule, at most max_inflight in flight
+# --------------------------------------------------------------------------------------------
+
+
+def post_completion(
+    conn: http.client.HTTPConnection, model: str, prompt: Sequence[int], max_tokens: int
+) -> tuple[int, dict[str, Any] | None, str | None]:
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+    ).encode()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    try:
+        parsed = json.loads(data)
+    except json.JSONDecodeError:
+        return resp.status, None, data[:300].decode(errors="replace")
+    err = None if resp.status == 200 else data[:300].decode(errors="replace")
+    return resp.status, parsed if isinstance(parsed, dict) else None, err
+
+
+def drive(
+    port: int,
+    model: str,
+    reqs: Sequence[mk.Req],
+    *,
+    max_inflight: int,
+    max_tokens: int,
+    t0: float,
+    hard_stop: float,
+    timeout: float,
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """Send reqs in order, each at t0 + req.t or when a slot frees, whichever is later; no new
+    send after hard_stop (those are returned as unsent). Records per request."""
+    records: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    free: queue.Queue[int] = queue.Queue()
+    inboxes: list[queue.Queue[tuple[mk.Req, float] | None]] = []
+    for s in range(max_inflight):
+        free.put(s)
+        inboxes.append(queue.Queue())
+
+    def worker(slot: int) -> None:
+        conn: http.client.HTTPConnection | None = None
+        while True:
+            item = inboxes[slot].get()
+            if item is None:
+                break
+            req, t_sched = item
+            status: int | None = None
+            body: dict[str, Any] | None = None
+            err: str | None = None
+            retried = False
+            for attempt in (0, 1):
+                t_send = time.time()
+                reused = conn is not None
+                try:
+                    if conn is None:
+                        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+                    status, body, err = post_completion(conn, model, req.prompt, max_tokens)
+                    break
+                except (OSError, http.client.HTTPException) as exc:
+                    err = f"{type(exc).__name__}: {exc}"
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    # A kept-alive connection the server closed while it idled (uvicorn's
+                    # keep-alive timeout is 5 s): the request never reached the server, send
+                    # it again at once on a new connection. Timeouts are not retried.
+                    if attempt == 0 and reused and not isinstance(exc, TimeoutError):
+                        retried = True
+                        continue
+                    break
+            t_end = time.time()
+            rec = mk.request_record(
+                req,
+                slot=slot,
+                t_sched=t_sched,
+                t_send=t_send,
+                t_end=t_end,
+                status=status,
+                body=body,
+                error=err,
+            )
+            if retried:
+                rec["retried"] = True
+            with lock:
+                records.append(rec)
+            free.put(slot)
+        if conn is not None:
+            conn.close()
+
+    threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(max_inflight)]
+    for th in threads:
+        th.start()
+    unsent: list[int] = []
+    for k, req in enumerate(reqs):
+        t_sched = t0 + req.t
+        delay = t_sched - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        slot = None
+        while slot is None and time.time() < hard_stop:
+            with contextlib.suppress(queue.Empty):
+                slot = free.get(timeout=0.2)
+        if slot is None or time.time() >= hard_stop:
+            if slot is not None:
+                free.put(slot)
+            unsent = [r.i for r in reqs[k:]]
+            break
+        inboxes[slot].put((req, t_sched))
+    for box in inboxes:
+        box.put(None)
+    for th in threads:
+        th.join(timeout + 5)
+    records.sort(key=lambda r: int(r["i"]))
+    return records, unsent
+
+
+# --------------------------------------------------------------------------------------------
+# Device facts
+# --------------------------------------------------------------------------------------------
+
+
+def nvml_link() -> dict[str, Any]:
+    """PCIe generation and width (current and max) of GPU 0 and the bandwidth the exporter
+    would compute (from the maximum: links down-train at idle)."""
+    out: dict[str, Any] = {}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        out["name"] = name.decode() if isinstance(name, bytes) else name
+        for key, fn in (
+            ("gen_current", "nvmlDeviceGetCurrPcieLinkGeneration"),
+            ("gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),
+            ("gen_gpu_max", "nvmlDeviceGetGpuMaxPcieLinkGeneration"),
+            ("width_current", "nvmlDeviceGetCurrPcieLinkWidth"),
+            ("width_max", "nvmlDeviceGetMaxPcieLinkWidth"),
+        ):
+            try:
+                out[key] = int(getattr(pynvml, fn)(h))
+            except Exception as exc:
+                out[key + "_error"] = str(exc)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        out["memory_total_bytes"] = int(mem.total)
+        pynvml.nvmlShutdown()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["link_bandwidth_bytes_per_second"] = mk.link_bandwidth_bytes(
+        out.get("gen_max"), out.get("width_max")
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# One run
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    sc: mk.Scenario
+    dir: Path
+    port: int
+    kv_port: int
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    reqs: list[mk.Req] = field(default_factory=list)
+    server: acc.Child | None = None
+    recorder: acc.Child | None = None
+    t_start: float = 0.0
+    t_ready: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Opts:
+    work: Path
+    deadline: float  # unix time: everything stopped and written by then
+    vllm_python: str
+    kit: Path  # copy of bench/gpu for the children (the repo copy may be replaced by a call)
+    settle_s: float = 3.0
+    request_timeout_s: float = 120.0
+    cpu_smoke: bool = False
+
+
+class Driver:
+    def __init__(self, o: Opts) -> None:
+        self.o = o
+        self.children = acc.Children(o.work / "pids")
+        self.status: dict[str, Any] = {"started": time.time(), "deadline": o.deadline, "runs": {}}
+        self.link: dict[str, Any] = {}
+        self.env_info: dict[str, Any] = {}
+        self.finalizers: list[subprocess.Popen[bytes]] = []
+
+    def save(self) -> None:
+        self.status["updated"] = time.time()
+        write_json(self.o.work / "status.json", self.status)
+
+    def left(self) -> float:
+        return self.o.deadline - time.time()
+
+    # -- servers -------------------------------------------------------------------------------
+    def prepare(self, sc: mk.Scenario) -> Run:
+        d = self.o.work / "runs" / sc.name
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        run = Run(sc, d, acc.free_port(), acc.free_port())
+        model_dir = self.o.work / "models" / sc.shape.name
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(dict(sc.shape.model), indent=1) + "\n")
+        run.cmd = mk.vllm_command(
+            sc,
+            python=self.o.vllm_python,
+            model_dir=str(model_dir),
+            port=run.port,
+            kv_endpoint=f"tcp://127.0.0.1:{run.kv_port}",
+        )
+        if self.o.cpu_smoke:
+            run.cmd = cpu_smoke_command(run.cmd)
+        run.env = vllm_env(os.environ, gpu=not self.o.cpu_smoke)
+        run.reqs = mk.generate(sc)
+        return run
+
+    def start(self, run: Run) -> None:
+        ready = run.dir / "kv_events.jsonl.ready"
+        run.recorder = self.children.start(
+            f"{run.sc.name}-kvrec",
+            [
+                sys.executable,
+                str(self.o.kit / "acceptance.py"),
+                "record-kv",
+                "--bind",
+                f"tcp://127.0.0.1:{run.kv_port}",
+                "--out",
+                str(run.dir / "kv_events.jsonl"),
+                "--max-bytes",
+                str(1 << 30),
+            ],
+            run.dir / "kv_recorder.log",
+        )
+        until = time.monotonic() + 15
+        while not ready.exists() and time.monotonic() < until:
+            time.sleep(0.05)
+        if not ready.exists():
+            log(f"{run.sc.name}: KV recorder not ready")
+        (run.dir / "cmd.txt").write_text(
+            json.dumps(run.cmd)
+            + "\n\n# environment set by the driver\n"
+            + "".join(
+                f"{k}={run.env[k]}\n"
+                for k in sorted(run.env)
+                if k.startswith(("VLLM_", "PYTHONHASHSEED", "HF_", "NCCL_", "TORCH_", "OMP_"))
+                or k == "PYTHONPATH"
+            )
+        )
+        run.t_start = time.time()
+        run.server = self.children.start(run.sc.name, run.cmd, run.dir / "server.log", env=run.env)
+        log(f"{run.sc.name}: vLLM pid {run.server.proc.pid} port {run.port} starting")
+
+    def wait_ready(self, runs: list[Run], limit_s: float) -> None:
+        pending = [r for r in runs if r.error is None and r.t_ready is None]
+        until = time.monotonic() + limit_s
+        while pending:
+            for r in list(pending):
+                assert r.server is not None
+                if r.server.proc.poll() is not None:
+                    r.error = f"vLLM exited with {r.server.proc.returncode} before ready"
+                elif time.monotonic() > until or self.left() < 30:
+                    r.error = "vLLM not ready in time"
+                else:
+                    st, _, _ = acc.http_get(f"http://127.0.0.1:{r.port}/v1/models", timeout=3)
+                    if st != 200:
+                        continue
+                    r.t_ready = time.time()
+                    log(f"{r.sc.name}: ready after {r.t_ready - r.t_start:.1f}s")
+                    pending.remove(r)
+                    continue
+                log(f"{r.sc.name}: {r.error}; log tail:\n{acc._read(r.dir / 'server.log')[-3000:]}")
+                pending.remove(r)
+                self.children.stop(r.server)
+                self.status["runs"][r.sc.name] = {"state": "failed", "error": r.error}
+                self.save()
+            time.sleep(0.5)
+
+    # -- a turn --------------------------------------------------------------------------------
+    def turn(self, run: Run) -> None:
+        sc = run.sc
+        name = sc.name
+        st: dict[str, Any] = {"state": "running", "t_turn": time.time()}
+        self.status["runs"][name] = st
+        self.save()
+        scraper = self.children.start(
+            f"{name}-scrape",
+            [
+                sys.executable,
+                str(self.o.kit / "acceptance.py"),
+                "scrape",
+                "--target",
+                f"vllm=http://127.0.0.1:{run.port}/metrics",
+                "--outdir",
+                str(run.dir / "scrape"),
+                "--interval",
+                "1",
+                "--max-seconds",
+                str(int(sc.traffic_s * sc.stretch + 300)),
+            ],
+            run.dir / "scrape.log",
+        )
+        time.sleep(2.0)
+        t_warm = time.time()
+        warm: list[dict[str, Any]] = []
+        conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=self.o.request_timeout_s)
+        for k, prompt in enumerate(mk.warmup_prompts(sc)):
+            t = time.time()
+            try:
+                status, _, err = post_completion(conn, sc.shape.served_name, prompt, 1)
+            except (OSError, http.client.HTTPException) as exc:
+                status, err = None, str(exc)
+            warm.append({"k": k, "status": status, "s": round(time.time() - t, 4), "error": err})
+        conn.close()
+        time.sleep(self.o.settle_s)
+        t0 = time.time() + 0.5
+        hard = min(t0 + sc.traffic_s * sc.stretch, self.o.deadline - 45)
+        log(f"{name}: traffic {len(run.reqs)} requests over {sc.traffic_s:.0f}s (warmup {warm})")
+        records, unsent = drive(
+            run.port,
+            sc.shape.served_name,
+            run.reqs,
+            max_inflight=sc.workload.max_inflight,
+            max_tokens=sc.workload.max_tokens,
+            t0=t0,
+            hard_stop=hard,
+            timeout=self.o.request_timeout_s,
+        )
+        t_last = max((r["t_end"] for r in records), default=time.time())
+        time.sleep(self.o.settle_s)
+        self.children.stop(scraper, timeout=5)
+        totals = mk.run_totals(records)
+        log(f"{name}: done {totals} unsent {len(unsent)}")
+        # Server first, then the recorder: every event the server published is kept.
+        self.children.stop(run.server, timeout=30)
+        time.sleep(0.5)
+        self.children.stop(run.recorder, timeout=10)
+        with (run.dir / "requests.jsonl").open("w") as fh:
+            for rec in records:
+                fh.write(json.dumps(rec) + "\n")
+        meta = self.meta(run, t_warm, t0, t_last, records, unsent, warm, totals)
+        write_json(run.dir / "meta.json", meta)
+        st.update({"state": "written", "totals": totals, "unsent": len(unsent)})
+        self.save()
+        self.finalizers.append(
+            subprocess.Popen(
+                [sys.executable, str(self.o.kit / "matrix.py"), "finalize", "--dir", str(run.dir)],
+                stdout=(run.dir / "finalize.log").open("wb"),
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda: os.nice(10),  # noqa: PLW1509
+            )
+        )
+
+    def meta(
+        self,
+        run: Run,
+        t_warm: float,
+        t0: float,
+        t_last: float,
+        records: list[dict[str, Any]],
+        unsent: list[int],
+        warm: list[dict[str, Any]],
+        totals: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        sc = run.sc
+        kv_stats: Any = None
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            kv_stats = json.loads((run.dir / "kv_events.jsonl.stats.json").read_text())
+        return {
+            "format": "kvoe-recording/1",
+            "scenario": sc.name,
+            "pair": sc.pair,
+            "vllm_argv": run.cmd,
+            "link_bandwidth_bytes_per_second": self.link.get("link_bandwidth_bytes_per_second"),
+            "kv_bytes_per_token": sc.shape.kv_bytes_per_token,
+            "block_size": sc.shape.block_size,
+            "kv_bytes_per_block": sc.shape.kv_bytes_per_block,
+            "gpu_kv_cache_bytes": sc.shape.kv_cache_bytes,
+            "gpu_blocks": sc.shape.gpu_blocks,
+            "offload": None
+            if sc.offload is None
+            else {
+                "size_gib": sc.offload.size_gib,
+                "cpu_tokens": sc.offload.cpu_tokens,
+                "cpu_blocks": mk.cpu_blocks(sc.shape, sc.offload),
+                "backend": sc.offload.backend,
+                "extra_config": sc.offload.extra_config,
+                "tag": sc.offload.tag,
+            },
+            "shape": {
+                "name": sc.shape.name,
+                "served_name": sc.shape.served_name,
+                "params": sc.shape.param_count,
+                "model_config": dict(sc.shape.model),
+            },
+            "workload": {
+                "name": sc.workload.name,
+                "generator": sc.workload.generator,
+                "params": dict(sc.workload.params),
+                "seed": sc.workload.seed,
+                "max_inflight": sc.workload.max_inflight,
+                "max_tokens": sc.workload.max_tokens,
+                "sequence": mk.sequence_stats(run.reqs, sc.shape.block_size),
+            },
+            "traffic": {
+                "traffic_s": sc.traffic_s,
+                "t_server_start": run.t_start,
+                "t_server_ready": run.t_ready,
+                "server_start_s": round((run.t_ready or 0) - run.t_start, 2),
+                "t_warmup": t_warm,
+                "warmup": warm,
+                "t_traffic_start": t0,
+                "t_last_response": t_last,
+                "planned_requests": len(run.reqs),
+                "sent_requests": len(records),
+                "unsent_requests": len(unsent),
+                "first_unsent_i": unsent[0] if unsent else None,
+                "ttft_definition": "non-streamed completion with max_tokens "
+                f"{sc.workload.max_tokens}: t_end - t_send",
+            },
+            "totals": dict(totals),
+            "kv_recorder": kv_stats,
+            "gpu": self.link,
+            "environment": self.env_info,
+            "vllm_env": {k: v for k, v in run.env.items() if k in VLLM_ENV_KEYS},
+        }
+
+    # -- the session ---------------------------------------------------------------------------
+    def run(self, scenarios: list[mk.Scenario]) -> int:
+        self.children.sweep_leftovers()
+        envdir = self.o.work / "env"
+        self.env_info = acc.environment_snapshot(
+            envdir, gpu=not self.o.cpu_smoke, vllm_python=self.o.vllm_python
+        )
+        self.link = {} if self.o.cpu_smoke else nvml_link()
+        write_json(envdir / "nvml_link.json", self.link)
+        plan = mk.plan_session(scenarios, self.left() - 30)
+        self.status["plan"] = {
+            "groups": plan.groups,
+            "skipped": plan.skipped,
+            "est": plan.est_total_s,
+        }
+        for name in plan.skipped:
+            self.status["runs"][name] = {"state": "skipped", "why": "plan: no time"}
+        self.save()
+        log(f"plan {plan}")
+        by_name = {s.name: s for s in scenarios}
+        for group in plan.groups:
+            runs = [self.prepare(by_name[n]) for n in group]
+            for r in runs:
+                self.start(r)
+            est = max(r.sc.shape.est_start_s for r in runs)
+            self.wait_ready(runs, limit_s=max(300.0, 2.5 * est))
+            for r in runs:
+                if r.error is not None:
+                    continue
+                need = r.sc.traffic_s + 40
+                if self.left() < need:
+                    log(f"{r.sc.name}: skipped, {self.left():.0f}s left < {need:.0f}s")
+                    self.status["runs"][r.sc.name] = {"state": "skipped", "why": "deadline"}
+                    self.save()
+                    continue
+                try:
+                    self.turn(r)
+                except Exception:
+                    log(f"{r.sc.name}: turn failed:\n{traceback.format_exc()}")
+                    self.status["runs"][r.sc.name] = {"state": "failed", "error": "turn"}
+                    self.save()
+                finally:
+                    self.children.stop(r.server, timeout=20)
+                    self.children.stop(r.recorder, timeout=5)
+            self.children.stop_all()
+        for p in self.finalizers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(5.0, self.left()))
+        self.status["finished"] = time.time()
+        self.save()
+        (self.o.work / "DONE").write_text("done\n")
+        log("all done")
+        return 0
+
+
+VLLM_ENV_KEYS = (
+    "PYTHONHASHSEED",
+    "VLLM_USE_FLASHINFER_SAMPLER",
+    "VLLM_NO_USAGE_STATS",
+    "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NVSHMEM_DISABLE_NVLS",
+    "PYTHONPATH",
+    "VLLM_CPU_KVCACHE_SPACE",
+)
+
+
+def vllm_env(base: Mapping[str, str], *, gpu: bool) -> dict[str, str]:
+    env = dict(base)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [p for p in parts if Path(p).resolve() != REPO and not Path(p, "bench").is_dir()]
+    if parts:
+        env["PYTHONPATH"] = os.pathsep.join(parts)
+    else:
+        env.pop("PYTHONPATH", None)
+    env.update(
+        {
+            "PYTHONHASHSEED": "0",  # the same block hashes in every run of a pair
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if gpu:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    else:
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "OMP_NUM_THREADS": "1",
+            }
+        )
+    return env
+
+
+def cpu_smoke_command(cmd: list[str]) -> list[str]:
+    """The GPU command made fit for the vLLM CPU server (smoke test here): no GPU KV bytes,
+    float32, a fixed small block count."""
+    out: list[str] = []
+    skip = False
+    for a in cmd:
+        if skip:
+            skip = False
+            continue
+        if a in ("--kv-cache-memory-bytes", "--gpu-memory-utilization"):
+            skip = True
+            continue
+        if a == "--enforce-eager":
+            continue
+        out.append(a)
+    return [*out, "--dtype", "float32", "--num-gpu-blocks-override", "24", "--max-num-seqs", "4"]
+
+
+# --------------------------------------------------------------------------------------------
+# Finalize (compress into the recording format), collect (pack for $OUT), unpack (here)
+# --------------------------------------------------------------------------------------------
+
+
+def _xz_lines(src: Path, dest: Path, convert: Any) -> dict[str, int]:
+    n_in = n_out = 0
+    with lzma.open(dest.with_suffix(".xz.tmp"), "wt", encoding="utf-8", preset=6) as out:
+        for rec in acc.kit.iter_jsonl(src):
+            n_in += 1
+            line = convert(rec)
+            if line is not None:
+                out.write(line + "\n")
+                n_out += 1
+    dest.with_suffix(".xz.tmp").replace(dest)
+    return {"in": n_in, "out": n_out}
+
+
+def server_log_excerpt(text: str, head: int = 120, tail: int = 150) -> str:
+    lines = text.splitlines()
+    if len(lines) <= head + tail:
+        return text
+    mid = [
+        ln
+        for ln in lines[head:-tail]
+        if ("WARNING" in ln or "ERROR" in ln or "Traceback" in ln)
+        and "POST /v1/completions" not in ln
+    ][:200]
+    return "\n".join(
+        [
+            *lines[:head],
+            f"... ({len(lines) - head - tail} lines, warnings/errors:)",
+            *mid,
+            "...",
+            *lines[-tail:],
+        ]
+    )
+
+
+def cmd_finalize(a: argparse.Namespace) -> int:
+    d = Path(a.dir)
+    counts: dict[str, Any] = {}
+    scraped = d / "scrape" / "vllm.jsonl"
+    if scraped.exists():
+        counts["metrics"] = _xz_lines(scraped, d / "metrics.jsonl.xz", mk.metrics_line)
+    if (d / "kv_events.jsonl").exists():
+        counts["kv_events"] = _xz_lines(
+            d / "kv_events.jsonl", d / "kv_events.jsonl.xz", mk.kv_event_line
+        )
+    if (d / "requests.jsonl").exists():
+        counts["requests"] = _xz_lines(d / "requests.jsonl", d / "requests.jsonl.xz", json.dumps)
+    if (d / "server.log").exists():
+        (d / "server_log.txt").write_text(server_log_excerpt(acc._read(d / "server.log", 64 << 20)))
+    meta_path = d / "meta.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        meta["lines"] = counts
+        write_json(meta_path, meta)
+    for raw in ("kv_events.jsonl", "requests.jsonl", "server.log"):
+        (d / raw).unlink(missing_ok=True)
+    shutil.rmtree(d / "scrape", ignore_errors=True)
+    for marker in d.glob("*.ready"):
+        marker.unlink()
+    (d / "FINAL").write_text(json.dumps(counts) + "\n")
+    print(json.dumps(counts))
+    return 0
+
+
+def cmd_collect(a: argparse.Namespace) -> int:
+    work, out = Path(a.work), Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    until = time.time() + a.wait_s
+    pid_file = work / "daemon.pid"
+
+    def daemon_alive() -> bool:
+        try:
+            return bool(acc._alive(int(pid_file.read_text().split()[0])))
+        except (OSError, ValueError):
+            return False
+
+    while time.time() < until and not (work / "DONE").exists():
+        if not daemon_alive() and pid_file.exists():
+            print("collect: the driver is not running")
+            break
+        time.sleep(2)
+    done_file = work / "collected.txt"
+    done = set(done_file.read_text().split()) if done_file.exists() else set()
+    ready = sorted(p.parent for p in (work / "runs").glob("*/FINAL") if p.parent.name not in done)
+    k = len(list(work.glob("collect-*.stamp")))
+    (work / f"collect-{k}.stamp").write_text(str(time.time()))
+    files, size = 0, 0
+    batch: list[Path] = []
+
+    def flush() -> None:
+        nonlocal files, size, batch
+        if not batch:
+            return
+        dest = out / f"runs-{k}-{files}.tar"
+        with tarfile.open(dest, "w") as tar:
+            for p in batch:
+                tar.add(p, arcname=p.name)
+        print(f"collect: {dest.name} {dest.stat().st_size} bytes: {[p.name for p in batch]}")
+        with done_file.open("a") as fh:
+            fh.write("".join(p.name + "\n" for p in batch))
+        files += 1
+        size, batch = 0, []
+
+    for p in ready:
+        s = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        if batch and size + s > OUT_FILE_LIMIT:
+            flush()
+        if files >= 5:
+            print(f"collect: no room for {p.name} this call")
+            break
+        batch.append(p)
+        size += s
+    flush()
+    for f in ("status.json", "daemon.log"):
+        if (work / f).exists():
+            shutil.copy(work / f, out / f)
+    if not (work / "env-collected").exists() and (work / "env").is_dir():
+        with tarfile.open(out / "env.tar.xz", "w:xz") as tar:
+            tar.add(work / "env", arcname="env")
+        (work / "env-collected").write_text("1")
+    st = json.loads((work / "status.json").read_text()) if (work / "status.json").exists() else {}
+    for name, r in st.get("runs", {}).items():
+        print(
+            f"collect: {name}: {r.get('state')} {r.get('totals', r.get('why', r.get('error', '')))}"
+        )
+    print(f"collect: done={(work / 'DONE').exists()} alive={daemon_alive()}")
+    return 0
+
+
+def cmd_unpack(a: argparse.Namespace) -> int:
+    dest = Path(a.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for src in a.tars:
+        with tarfile.open(src) as tar:
+            for m in tar.getmembers():
+                if not m.isfile() or ".." in Path(m.name).parts or m.name.startswith("/"):
+                    continue
+                if Path(m.name).name in ("FINAL", "finalize.log", "kv_recorder.log", "scrape.log"):
+                    continue
+                if Path(m.name).name == "kv_events.jsonl.stats.json":
+                    continue
+                target = dest / m.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fh = tar.extractfile(m)
+                assert fh is not None
+                target.write_bytes(fh.read())
+                print(f"{target} {m.size}")
+    return 0
+
+
+def load_requests(d: Path) -> list[dict[str, Any]]:
+    f = d / "requests.jsonl.xz"
+    return list(acc.kit.iter_jsonl(f)) if f.exists() else []
+
+
+def truth_table(root: Path) -> dict[str, Any]:
+    """Per recording: totals; per pair (same shape, workload, flags): the paired truth."""
+    runs: dict[str, Any] = {}
+    for m in sorted(root.glob("*/meta.json")):
+        meta = json.loads(m.read_text())
+        runs[m.parent.name] = {
+            "meta": meta,
+            "totals": mk.run_totals(load_requests(m.parent)),
+        }
+    pairs: dict[str, Any] = {}
+    for name, r in runs.items():
+        meta = r["meta"]
+        if meta.get("offload") is None:
+            continue
+        base = next(
+            (
+                n
+                for n, b in runs.items()
+                if b["meta"].get("pair") == meta.get("pair") and b["meta"].get("offload") is None
+            ),
+            None,
+        )
+        if base is None:
+            continue
+        pairs[name] = {
+            "base": base,
+            **mk.paired_truth(load_requests(root / base), load_requests(root / name)),
+        }
+    return {"runs": {n: r["totals"] for n, r in runs.items()}, "pairs": pairs}
+
+
+def cmd_truth(a: argparse.Namespace) -> int:
+    print(json.dumps(truth_table(Path(a.root)), indent=1))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _scenarios(a: argparse.Namespace) -> list[mk.Scenario]:
+    return mk.resolve(a.runs, mk.load_scenarios(Path(a.scenarios)))
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    global LOG_FH  # noqa: PLW0603
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    deadline = a.deadline_unix or (time.time() + a.deadline_in)
+    if a.detach:
+        argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+        argv = [x for x in argv if x != "--detach"]
+        argv = [*argv, "--deadline-unix", str(deadline)]
+        (work / "DONE").unlink(missing_ok=True)
+        with (work / "daemon.out").open("ab") as fh:
+            p = subprocess.Popen(
+                argv,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        (work / "daemon.pid").write_text(f"{p.pid} matrix.py\n")
+        print(f"matrix driver detached: pid {p.pid}, deadline in {deadline - time.time():.0f}s")
+        return 0
+    scenarios = _scenarios(a)
+    kit_copy = work / "kit"
+    kit_copy.mkdir(exist_ok=True)
+    for f in HERE.glob("*.py"):
+        shutil.copy(f, kit_copy / f.name)
+    LOG_FH = (work / "daemon.log").open("a")
+    (work / "daemon.pid").write_text(f"{os.getpid()} matrix.py\n")
+    signal.signal(signal.SIGTERM, lambda s, f: (_ for _ in ()).throw(KeyboardInterrupt()))
+    opts = Opts(
+        work=work,
+        deadline=deadline,
+        vllm_python=a.vllm_python or sys.executable,
+        kit=kit_copy,
+        cpu_smoke=a.cpu_smoke,
+    )
+    log(f"matrix run: {[s.name for s in scenarios]} deadline in {deadline - time.time():.0f}s")
+    d = Driver(opts)
+    try:
+        return d.run(scenarios)
+    except BaseException:
+        log(f"driver failed:\n{traceback.format_exc()}")
+        d.status["error"] = traceback.format_exc()[-2000:]
+        d.save()
+        (work / "DONE").write_text("failed\n")
+        return 1
+    finally:
+        d.children.stop_all(timeout=15)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    scs = _scenarios(a)
+    plan = mk.plan_session(scs, a.budget)
+    print(json.dumps({"groups": plan.groups, "skipped": plan.skipped, "est_s": plan.est_total_s}))
+    return 0
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    for sc in _scenarios(a):
+        reqs = mk.generate(sc)
+        print(
+            sc.name,
+            json.dumps(
+                {
+                    "offload_gib": sc.offload.size_gib if sc.offload else None,
+                    "cpu_blocks": mk.cpu_blocks(sc.shape, sc.offload),
+                    "gpu_blocks": sc.shape.gpu_blocks,
+                    **mk.sequence_stats(reqs, sc.shape.block_size),
+                }
+            ),
+        )
+    return 0
+
+
+def cmd_smoke(a: argparse.Namespace) -> int:
+    """The whole driver against the real vLLM CPU server with the tiny model (no offload)."""
+    import gpukit
+
+    shapes = {
+        "tiny": mk.ShapeSpec(
+            name="tiny",
+            model=gpukit.TINY_LLAMA,
+            served_name="tiny-llama",
+            block_size=128,
+            gpu_kv_tokens=24 * 128,
+            gpu_memory_utilization=0.0,
+            est_gpu_bytes=0,
+            est_start_s=150,
+            dtype_bytes=4,
+        )
+    }
+    wl = mk.WorkloadSpec(
+        "rag-tiny",
+        "rag_zipf",
+        {"docs": 12, "doc_tokens": [256, 512], "question_tokens": [8, 16], "rate_per_s": 2.0},
+        7,
+        max_inflight=3,
+    )
+    base = mk.expand_matrix(
+        {
+            "runs": [
+                {
+                    "shape": "tiny",
+                    "workload": "rag-tiny",
+                    "offload": None,
+                    "traffic_s": a.traffic,
+                    "max_model_len": 2048,
+                    "vllm_args": [],
+                }
+            ]
+        },
+        shapes,
+        {"rag-tiny": wl},
+    )
+    scs = [replace(s, warmup_requests=1) for s in base.values()]
+    work = Path(a.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    kit_copy = work / "kit"
+    kit_copy.mkdir()
+    for f in HERE.glob("*.py"):
+        shutil.copy(f, kit_copy / f.name)
+    vpy = a.vllm_python or str(REPO / ".venv-vllm" / "bin" / "python")
+    opts = Opts(
+        work=work,
+        deadline=time.time() + a.budget,
+        vllm_python=vpy,
+        kit=kit_copy,
+        cpu_smoke=True,
+    )
+    global LOG_FH  # noqa: PLW0603
+    LOG_FH = (work / "daemon.log").open("a")
+    d = Driver(opts)
+    try:
+        rc = d.run(scs)
+    finally:
+        d.children.stop_all(timeout=15)
+    print(json.dumps(d.status["runs"], indent=1))
+    return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def with_runs(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--runs", required=True, help="scenario names, comma-separated, in order")
+        p.add_argument("--scenarios", default=str(mk.SCENARIO_DIR))
+
+    p = sub.add_parser("run", help="the matrix on the GPU (detachable)")
+    with_runs(p)
+    p.add_argument("--work", default="/tmp/kvoe-matrix")
+    p.add_argument("--deadline-in", type=float, default=540.0, help="seconds from now")
+    p.add_argument("--deadline-unix", type=float, default=0.0)
+    p.add_argument("--detach", action="store_true", help="run in a new session, return at once")
+    p.add_argument("--vllm-python", default=None)
+    p.add_argument("--cpu-smoke", action="store_true")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("collect", help="wait, then pack finished runs into OUT")
+    p.add_argument("--work", default="/tmp/kvoe-matrix")
+    p.add_argument("--out", required=True)
+    p.add_argument("--wait-s", type=float, default=0.0)
+    p.set_defaults(fn=cmd_collect)
+
+    p = sub.add_parser("finalize", help="(child) compress one run into the recording format")
+    p.add_argument("--dir", required=True)
+    p.set_defaults(fn=cmd_finalize)
+
+    p = sub.add_parser("plan")
+    with_runs(p)
+    p.add_argument("--budget", type=float, default=1300)
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("show", help="request-sequence statistics per scenario")
+    with_runs(p)
+    p.set_defaults(fn=cmd_show)
+
+    p = sub.add_parser("smoke", help="the driver against the vLLM CPU server, here")
+    p.add_argument("--work", default="/tmp/kvoe-matrix-smoke")
+    p.add_argument("--traffic", type=float, default=20.0)
+    p.add_argument("--budget", type=float, default=600.0)
+    p.add_argument("--vllm-python", default=None)
+    p.set_defaults(fn=cmd_smoke)
+
+    p = sub.add_parser("unpack", help="collected tars -> recording directories")
+    p.add_argument("tars", nargs="+")
+    p.add_argument("--dest", required=True)
+    p.set_defaults(fn=cmd_unpack)
+
+    p = sub.add_parser("truth", help="totals and paired truth of recordings")
+    p.add_argument("root")
+    p.set_defaults(fn=cmd_truth)
+
+    a = ap.parse_args(argv)
+    return int(a.fn(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,782 @@
+"""Pure parts of the real-GPU matrix (issue 16, section 2): scenarios as data, seeded workload
+generators, the session plan, the recording format, and the paired ground truth.
+
+A scenario is data (bench/gpu/scenarios/): a model shape (config.json of a dummy-weight model,
+GPU KV in tokens), vLLM flags, an offload buffer (in tokens of KV, or GiB) or none, a workload
+(generator name + parameters + seed + client concurrency) and the seconds of traffic. A new
+scenario, shape or workload needs an edit of the JSON files only.
+
+Standard library only, so the CI machine tests all of it (tests/test_gpu_kit.py). The device
+driver is bench/gpu/matrix.py; bench/gpu/README.md ("The real-GPU matrix") has the calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+PAGE = 4096
+SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+
+# Offload pays when it cuts the summed TTFT of the identical request sequence by at least 3%,
+# costs when it adds 3% or more; in between it is neutral (issue 16).
+TRUTH_THRESHOLD = 0.03
+
+# --------------------------------------------------------------------------------------------
+# Shapes
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    name: str
+    model: Mapping[str, Any]  # the config.json of the dummy-weight model
+    served_name: str
+    block_size: int  # tokens per KV block (FlashAttention 3 on Hopper: 16)
+    gpu_kv_tokens: int  # GPU KV cache in tokens -> --kv-cache-memory-bytes
+    gpu_memory_utilization: float  # only vLLM's start-up free-memory check
+    est_gpu_bytes: int  # planning: GPU memory once started
+    est_start_s: float  # planning: process start to /v1/models 200
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        m = self.model
+        head_dim = int(m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"])
+        return (
+            2
+            * int(m["num_hidden_layers"])
+            * int(m["num_key_value_heads"])
+            * head_dim
+            * self.dtype_bytes
+        )
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    @property
+    def gpu_blocks(self) -> int:
+        return self.gpu_kv_tokens // self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.gpu_blocks * self.kv_bytes_per_block
+
+    @property
+    def vocab(self) -> int:
+        return int(self.model["vocab_size"])
+
+    @property
+    def param_count(self) -> int:
+        m = self.model
+        h, inter = int(m["hidden_size"]), int(m["intermediate_size"])
+        heads, kv_heads = int(m["num_attention_heads"]), int(m["num_key_value_heads"])
+        head_dim = int(m.get("head_dim") or h // heads)
+        attn = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+        norms = 2 * h + (2 * head_dim if m.get("model_type") == "qwen3" else 0)
+        embed = int(m["vocab_size"]) * h * (1 if m.get("tie_word_embeddings") else 2)
+        return int(m["num_hidden_layers"]) * (attn + 3 * h * inter + norms) + embed + h
+
+
+def load_shapes(data: Mapping[str, Any]) -> dict[str, ShapeSpec]:
+    """shapes.json: {"bases": {name: config}, "shapes": {name: {"base", "model", ...}}}."""
+    bases = data.get("bases", {})
+    out: dict[str, ShapeSpec] = {}
+    for name, spec in data["shapes"].items():
+        model = {**bases.get(spec.get("base", ""), {}), **spec["model"]}
+        out[name] = ShapeSpec(
+            name=name,
+            model=model,
+            served_name=spec.get("served_name", f"{name}-dummy"),
+            block_size=int(spec.get("block_size", 16)),
+            gpu_kv_tokens=int(spec["gpu_kv_tokens"]),
+            gpu_memory_utilization=float(spec.get("gpu_memory_utilization", 0.1)),
+            est_gpu_bytes=int(float(spec["est_gpu_gib"]) * GIB),
+            est_start_s=float(spec.get("est_start_s", 90.0)),
+            dtype_bytes=int(spec.get("dtype_bytes", 2)),
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    size_gib: float  # --kv-offloading-size
+    cpu_tokens: int | None = None  # what the size was derived from, if given in tokens
+    backend: str = "native"
+    extra_config: Mapping[str, Any] | None = None  # kv_connector_extra_config
+    tag: str = ""
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    name: str
+    generator: str
+    params: Mapping[str, Any]
+    seed: int
+    max_inflight: int = 1  # client slots: requests in flight at most
+    max_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    shape: ShapeSpec
+    workload: WorkloadSpec
+    offload: OffloadSpec | None
+    traffic_s: float
+    max_model_len: int
+    vllm_args: tuple[str, ...] = ()
+    # Sending stops at traffic_s * stretch (a server that cannot keep up): the requests not sent
+    # are listed, and the paired truth compares the common prefix of both runs.
+    stretch: float = 1.5
+    warmup_requests: int = 2
+    pair: str = ""  # scenarios of one pair share it: same shape, workload, flags but offload
+
+    @property
+    def offload_tag(self) -> str:
+        return self.offload.tag if self.offload else "none"
+
+
+def offload_spec(shape: ShapeSpec, raw: Mapping[str, Any] | None) -> OffloadSpec | None:
+    """{"cpu_tokens": N} (the same buffer in tokens on every shape) or {"size_gib": G}."""
+    if not raw:
+        return None
+    extra = raw.get("extra_config")
+    backend = str(raw.get("backend", "native"))
+    if "cpu_tokens" in raw:
+        tokens = int(raw["cpu_tokens"])
+        gib = round(tokens * shape.kv_bytes_per_token / GIB, 4)
+        tag = raw.get("tag") or f"cpu{tokens // 1024}k"
+        return OffloadSpec(gib, tokens, backend, extra, str(tag))
+    gib = float(raw["size_gib"])
+    return OffloadSpec(gib, None, backend, extra, str(raw.get("tag") or f"{gib:g}gib"))
+
+
+def cpu_blocks(shape: ShapeSpec, off: OffloadSpec | None) -> int:
+    """CPU pool in blocks as vLLM's CPUOffloadingSpec computes it (a block rounded to a page)."""
+    if off is None:
+        return 0
+    per_block = -(-shape.kv_bytes_per_block // PAGE) * PAGE
+    return int(off.size_gib * GIB) // per_block
+
+
+def load_workloads(data: Mapping[str, Any]) -> dict[str, WorkloadSpec]:
+    out: dict[str, WorkloadSpec] = {}
+    for name, spec in data["workloads"].items():
+        if spec["generator"] not in GENERATORS:
+            raise ValueError(f"workload {name}: unknown generator {spec['generator']!r}")
+        out[name] = WorkloadSpec(
+            name=name,
+            generator=str(spec["generator"]),
+            params=dict(spec.get("params", {})),
+            seed=int(spec.get("seed", 1)),
+            max_inflight=int(spec.get("max_inflight", 1)),
+            max_tokens=int(spec.get("max_tokens", 1)),
+        )
+    return out
+
+
+def scenario_name(shape: str, workload: str, tag: str) -> str:
+    return f"{shape}-{workload}-{tag}"
+
+
+def expand_matrix(
+    data: Mapping[str, Any], shapes: Mapping[str, ShapeSpec], workloads: Mapping[str, WorkloadSpec]
+) -> dict[str, Scenario]:
+    """matrix.json: "defaults", then "runs" (explicit) and/or "matrix" (a cross product of
+    shapes x workloads x offload). Each entry may override any default."""
+    defaults = dict(data.get("defaults", {}))
+    entries: list[dict[str, Any]] = [dict(r) for r in data.get("runs", [])]
+    for block in data.get("matrix", []):
+        for sh in block["shapes"]:
+            for wl in block["workloads"]:
+                for off in block["offload"]:
+                    e = {k: v for k, v in block.items() if k not in ("shapes", "workloads")}
+                    e.update({"shape": sh, "workload": wl, "offload": off})
+                    entries.append(e)
+    out: dict[str, Scenario] = {}
+    for e in entries:
+        merged = {**defaults, **e}
+        shape = shapes[merged["shape"]]
+        wl = workloads[merged["workload"]]
+        off = offload_spec(shape, merged.get("offload"))
+        tag = off.tag if off else "none"
+        name = merged.get("name") or scenario_name(shape.name, wl.name, tag)
+        extra_args = tuple(str(a) for a in merged.get("vllm_args", ()))
+        sc = Scenario(
+            name=name,
+            shape=shape,
+            workload=wl,
+            offload=off,
+            traffic_s=float(merged["traffic_s"]),
+            max_model_len=int(merged["max_model_len"]),
+            vllm_args=extra_args,
+            stretch=float(merged.get("stretch", 1.5)),
+            warmup_requests=int(merged.get("warmup_requests", 2)),
+            pair=f"{shape.name}-{wl.name}"
+            + ("" if not extra_args else "-" + _args_tag(extra_args)),
+        )
+        if name in out and out[name] != sc:
+            raise ValueError(f"two different scenarios named {name}")
+        out[name] = sc
+    return out
+
+
+def _args_tag(args: Sequence[str]) -> str:
+    if list(args) == ["--enforce-eager"]:
+        return "eager"
+    return hashlib.sha256("\0".join(args).encode()).hexdigest()[:8]
+
+
+def load_scenarios(directory: Path = SCENARIO_DIR) -> dict[str, Scenario]:
+    shapes = load_shapes(json.loads((directory / "shapes.json").read_text()))
+    workloads = load_workloads(json.loads((directory / "workloads.json").read_text()))
+    out: dict[str, Scenario] = {}
+    for f in sorted(directory.glob("*.json")):
+        if f.name in ("shapes.json", "workloads.json"):
+            continue
+        out.update(expand_matrix(json.loads(f.read_text()), shapes, workloads))
+    return out
+
+
+def resolve(names: str | Sequence[str], scenarios: Mapping[str, Scenario]) -> list[Scenario]:
+    items = [n.strip() for n in (names.split(",") if isinstance(names, str) else names)]
+    unknown = [n for n in items if n and n not in scenarios]
+    if unknown:
+        raise ValueError(f"unknown scenarios {unknown}; known: {', '.join(sorted(scenarios))}")
+    return [scenarios[n] for n in items if n]
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM command line
+# --------------------------------------------------------------------------------------------
+
+
+def vllm_command(
+    sc: Scenario, *, python: str, model_dir: str, port: int, kv_endpoint: str
+) -> list[str]:
+    """The recipe's server (../shared/notes/h200-vllm-recipe.md): dummy weights, token-id
+    prompts, prefix caching, cached_tokens in usage, KV events to the recorder (which binds)."""
+    shape = sc.shape
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": kv_endpoint,
+        "topic": "kv",
+    }
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        shape.served_name,
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--kv-cache-memory-bytes",
+        str(shape.kv_cache_bytes),
+        "--max-model-len",
+        str(sc.max_model_len),
+        "--enable-prefix-caching",
+        "--gpu-memory-utilization",
+        f"{shape.gpu_memory_utilization:g}",
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        json.dumps(events),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ]
+    if sc.offload is not None:
+        cmd += [
+            "--kv-offloading-size",
+            f"{sc.offload.size_gib:g}",
+            "--kv-offloading-backend",
+            sc.offload.backend,
+        ]
+        if sc.offload.extra_config:
+            transfer = {"kv_connector_extra_config": dict(sc.offload.extra_config)}
+            cmd += ["--kv-transfer-config", json.dumps(transfer)]
+    return cmd + list(sc.vllm_args)
+
+
+# --------------------------------------------------------------------------------------------
+# Workload generators: pure, seeded, deterministic token ids
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Req:
+    i: int  # position in the sequence (the pairing key)
+    t: float  # scheduled send time, seconds after traffic start
+    prompt: tuple[int, ...]
+    tags: Mapping[str, Any] = field(default_factory=dict)
+
+
+def tokens(seed: int, key: str, n: int, vocab: int) -> list[int]:
+    """n token ids from a generator keyed by (seed, key); avoids the first and last 100 ids
+    (special tokens in real vocabularies). String seeds are hashed with sha512 by random, so
+    the ids do not depend on PYTHONHASHSEED."""
+    rng = random.Random(f"{seed}:{key}")
+    return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def _span(value: Any, rng: random.Random) -> int:
+    """An int, or [lo, hi] drawn uniformly (inclusive)."""
+    if isinstance(value, list | tuple):
+        return rng.randint(int(value[0]), int(value[1]))
+    return int(value)
+
+
+def _uspan(value: Any, rng: random.Random) -> float:
+    if isinstance(value, list | tuple):
+        return rng.uniform(float(value[0]), float(value[1]))
+    return float(value)
+
+
+def arrivals(rate_per_s: float, traffic_s: float, rng: random.Random, kind: str) -> list[float]:
+    """Send times in [0, traffic_s): "poisson" (exponential gaps) or "uniform" (fixed gaps)."""
+    out: list[float] = []
+    if rate_per_s <= 0:
+        return out
+    if kind == "uniform":
+        gap = 1.0 / rate_per_s
+        n = math.ceil(traffic_s * rate_per_s)
+        return [round(k * gap, 6) for k in range(n) if k * gap < traffic_s]
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate_per_s)
+        if t >= traffic_s:
+            return out
+        out.append(round(t, 6))
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    return [1.0 / (k + 1) ** s for k in range(n)]
+
+
+def gen_unique(p: Mapping[str, Any], seed: int, vocab: int, traffic_s: float) -> list[Req]:
+    """Every prompt fresh: no reuse at all (offload can only cost: stores that never load)."""
+    rng = random.Random(seed)
+    times = arrivals(float(p["rate_per_s"]), traffic_s, rng, p.get("arrival", "poisson"))
+    out = []
+    for i, t in enumerate(times):
+        n = _span(p["prompt_tokens"], rng)
+        out.append(Req(i, t, tuple(tokens(seed, f"u{i}", n, vocab)), {"kind": "unique"}))
+    return out
+
+
+def _docs(p: Mapping[str, Any], seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed * 7919 + 1)
+    return [tokens(seed, f"doc{d}", _span(p["doc_tokens"], rng), vocab) for d in range(p["docs"])]
+
+
+def gen_rag_zipf(p: Mapping[str, Any], seed: int, vocab: int, traffic_s: float) -> list[Req]:
+    """RAG over a corpus: each request = one document (shared prefix) + a fresh question;
+    documents drawn with Zipf(s) popularity over a seeded permutation of the corpus."""
+    rng = random.Random(seed)
+    docs = _docs(p, seed, vocab)
+    rank = list(range(len(docs)))
+    rng.shuffle(rank)  # rank k -> document rank[k]
+    weights = zipf_weights(len(docs), float(p.get("zipf_s", 1.0)))
+    times = arrivals(float(p["rate_per_s"]), traffic_s, rng, p.get("arrival", "poisson"))
+    out = []
+    for i, t in enumerate(times):
+        d = rank[rng.choices(range(len(docs)), weights)[0]]
+        q = tokens(seed, f"q{i}", _span(p["question_tokens"], rng), vocab)
+        out.append(Req(i, t, tuple(docs[d] + q), {"doc": d}))
+    return out
+
+
+def gen_long_context(p: Mapping[str, Any], seed: int, vocab: int, traffic_s: float) -> list[Req]:
+    """A few long documents (8k+ tokens each) asked about again and again, uniform popularity
+    unless zipf_s is given: few requests, each a large prefill and a large reload."""
+    lo = p["doc_tokens"][0] if isinstance(p["doc_tokens"], list | tuple) else p["doc_tokens"]
+    if int(lo) < 8192:
+        raise ValueError("long_context: doc_tokens must be at least 8192")
+    return gen_rag_zipf({"zipf_s": 0.0, **p}, seed, vocab, traffic_s)
+
+
+def gen_concurrent(p: Mapping[str, Any], seed: int, vocab: int, traffic_s: float) -> list[Req]:
+    """Bursts of `burst` requests at the same instant (every burst_interval_s, jittered), each a
+    Zipf-popular document + fresh question: several in flight, batched prefill."""
+    rng = random.Random(seed)
+    docs = _docs(p, seed, vocab)
+    weights = zipf_weights(len(docs), float(p.get("zipf_s", 1.0)))
+    burst, every = int(p["burst"]), float(p["burst_interval_s"])
+    out: list[Req] = []
+    t, b = 0.0, 0
+    while t < traffic_s:
+        for _ in range(burst):
+            d = rng.choices(range(len(docs)), weights)[0]
+            q = tokens(seed, f"q{len(out)}", _span(p["question_tokens"], rng), vocab)
+            out.append(Req(len(out), round(t, 6), tuple(docs[d] + q), {"doc": d, "burst": b}))
+        b += 1
+        t += every * rng.uniform(0.5, 1.5)
+    return out
+
+
+def gen_multi_turn_chat(p: Mapping[str, Any], seed: int, vocab: int, traffic_s: float) -> list[Req]:
+    """Growing conversations: a shared system prompt, then per conversation turns of user
+    message + (synthetic, seeded) assistant reply; turn k's prompt is turn k-1's prompt + the
+    reply to it + the next user message. Conversations start as a Poisson process; a user
+    thinks think_s between turns, so many conversations interleave and their prefixes leave the
+    GPU cache between turns. A conversation ends after its turns or at max_context_tokens."""
+    rng = random.Random(seed)
+    system = tokens(seed, "system", int(p["system_tokens"]), vocab)
+    starts = arrivals(1.0 / float(p["conv_interval_s"]), traffic_s, rng, "poisson")
+    max_ctx = int(p["max_context_tokens"])
+    pending: list[tuple[float, int, int, tuple[int, ...]]] = []
+    for c, t0 in enumerate(starts):
+        turns = _span(p["turns"], rng)
+        ctx = list(system)
+        t = t0
+        for k in range(turns):
+            n_user = _span(p["first_user_tokens"] if k == 0 else p["user_tokens"], rng)
+            if k > 0:
+                ctx += tokens(seed, f"c{c}r{k - 1}", _span(p["reply_tokens"], rng), vocab)
+                t += _uspan(p["think_s"], rng)
+            user = tokens(seed, f"c{c}u{k}", n_user, vocab)
+            if len(ctx) + len(user) > max_ctx or t >= traffic_s:
+                break
+            ctx += user
+            pending.append((t, c, k, tuple(ctx)))
+    pending.sort(key=lambda x: (x[0], x[1]))
+    return [
+        Req(i, round(t, 6), prompt, {"conv": c, "turn": k})
+        for i, (t, c, k, prompt) in enumerate(pending)
+    ]
+
+
+def gen_abca(p: Mapping[str, Any], seed: int, vocab: int, traffic_s: float) -> list[Req]:
+    """The published A/B/C/A pattern (acceptance kit W1) paced at interval_s, as many batches
+    as fit: per batch fresh A, B, C sent as A, A, B, C, A."""
+    out: list[Req] = []
+    gap = float(p["interval_s"])
+    n = int(p["prompt_tokens"])
+    b = 0
+    while True:
+        docs = {k: tokens(seed, f"b{b}{k}", n, vocab) for k in "ABC"}
+        for key in "AABCA":
+            t = len(out) * gap
+            if t >= traffic_s:
+                return out
+            out.append(Req(len(out), round(t, 6), tuple(docs[key]), {"batch": b, "doc": key}))
+        b += 1
+
+
+def gen_shuffled_docs(p: Mapping[str, Any], seed: int, vocab: int, traffic_s: float) -> list[Req]:
+    """The acceptance kit's W2: N documents, each round a fresh permutation, interval_s apart."""
+    rng = random.Random(seed)
+    docs = _docs(p, seed, vocab)
+    gap = float(p["interval_s"])
+    out: list[Req] = []
+    r = 0
+    while True:
+        perm = list(range(len(docs)))
+        rng.shuffle(perm)
+        for d in perm:
+            t = len(out) * gap
+            if t >= traffic_s:
+                return out
+            out.append(Req(len(out), round(t, 6), tuple(docs[d]), {"round": r, "doc": d}))
+        r += 1
+
+
+GENERATORS = {
+    "unique": gen_unique,
+    "rag_zipf": gen_rag_zipf,
+    "long_context": gen_long_context,
+    "concurrent": gen_concurrent,
+    "multi_turn_chat": gen_multi_turn_chat,
+    "abca": gen_abca,
+    "shuffled_docs": gen_shuffled_docs,
+}
+
+
+def generate(sc: Scenario) -> list[Req]:
+    """The scenario's request sequence; depends on the workload, the vocabulary and the traffic
+    seconds only (never on the offload setting), so both halves of a pair send the same."""
+    wl = sc.workload
+    reqs = GENERATORS[wl.generator](wl.params, wl.seed, sc.shape.vocab, sc.traffic_s)
+    limit = sc.max_model_len - wl.max_tokens
+    too_long = [r.i for r in reqs if len(r.prompt) > limit]
+    if too_long:
+        raise ValueError(f"{sc.name}: {len(too_long)} prompts longer than {limit} tokens")
+    return reqs
+
+
+def warmup_prompts(sc: Scenario) -> list[list[int]]:
+    """Requests before the traffic (kernels, allocator): short, fresh, the same in both runs."""
+    return [
+        tokens(sc.workload.seed, f"warmup{k}", 256, sc.shape.vocab)
+        for k in range(sc.warmup_requests)
+    ]
+
+
+def sequence_stats(reqs: Sequence[Req], block_size: int) -> dict[str, Any]:
+    """What a sequence asks of the cache: requests, prompt tokens, unique full blocks (by
+    prefix), and the share of prompt blocks that an unbounded prefix cache would hit."""
+    seen: set[int] = set()
+    blocks = hit = 0
+    for r in reqs:
+        h = 0
+        for b in range(len(r.prompt) // block_size):
+            # A block's identity is its whole prefix: chain the hashes as vLLM does.
+            h = hash((h, r.prompt[b * block_size : (b + 1) * block_size]))
+            blocks += 1
+            if h in seen:
+                hit += 1
+            else:
+                seen.add(h)
+    n = len(reqs)
+    span = (reqs[-1].t - reqs[0].t) if n > 1 else 0.0
+    return {
+        "requests": n,
+        "prompt_tokens": sum(len(r.prompt) for r in reqs),
+        "max_prompt_tokens": max((len(r.prompt) for r in reqs), default=0),
+        "unique_blocks": len(seen),
+        "full_blocks": blocks,
+        "ideal_hit_ratio": round(hit / blocks, 4) if blocks else 0.0,
+        "rate_per_s": round(n / span, 3) if span > 0 else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Session plan
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: tuple[tuple[str, ...], ...]  # servers started together, turns one after the other
+    skipped: tuple[str, ...]
+    est_total_s: float
+
+
+TURN_OVERHEAD_S = 15.0  # warmup, drain, settle, stop, write
+
+
+def turn_estimate(sc: Scenario) -> float:
+    return sc.traffic_s + TURN_OVERHEAD_S
+
+
+def plan_session(
+    scenarios: Sequence[Scenario],
+    budget_s: float,
+    *,
+    gpu_capacity_bytes: int = 125 * 10**9,
+    host_pinned_limit_bytes: int = 80 * GIB,
+    max_group: int = 8,
+) -> Plan:
+    """Greedy, in the given order: a scenario joins the open group while GPU memory and pinned
+    host memory fit and the plan still fits the budget; else a new group starts (its servers
+    start together, one wait); what fits nowhere is skipped. Turns run one at a time so no run
+    shares the GPU with another's traffic."""
+    groups: list[list[Scenario]] = []
+    skipped: list[str] = []
+
+    def est(g: Sequence[Scenario]) -> float:
+        return max(s.shape.est_start_s for s in g) + sum(turn_estimate(s) for s in g)
+
+    def fits(g: Sequence[Scenario]) -> bool:
+        gpu = sum(s.shape.est_gpu_bytes for s in g)
+        pinned = sum(int(s.offload.size_gib * GIB) for s in g if s.offload)
+        return (
+            len(g) <= max_group and gpu <= gpu_capacity_bytes and pinned <= host_pinned_limit_bytes
+        )
+
+    for sc in scenarios:
+        if groups and fits([*groups[-1], sc]):
+            trial = [*groups[:-1], [*groups[-1], sc]]
+        else:
+            trial = [*groups, [sc]]
+        if fits(trial[-1]) and sum(est(g) for g in trial) <= budget_s:
+            groups = trial
+        else:
+            skipped.append(sc.name)
+    return Plan(
+        tuple(tuple(s.name for s in g) for g in groups),
+        tuple(skipped),
+        round(sum(est(g) for g in groups), 1),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Recording format (issue 16 section 1)
+# --------------------------------------------------------------------------------------------
+
+_TRANSFERS_PER_LANE = {1: 2.5e9, 2: 5e9, 3: 8e9, 4: 16e9, 5: 32e9, 6: 64e9}
+
+
+def link_bandwidth_bytes(generation: int | None, width: int | None) -> float | None:
+    """Theoretical bytes/s per direction of a PCIe link after line encoding (the exporter's
+    exporter/sources/nvml.py link_bandwidth_bytes, copied: the kit runs standalone)."""
+    if generation is None or width is None or width <= 0:
+        return None
+    rate = _TRANSFERS_PER_LANE.get(generation)
+    if rate is None:
+        return None
+    if generation <= 2:
+        eff = 8 / 10
+    elif generation <= 5:
+        eff = 128 / 130
+    else:
+        eff = 236 / 256
+    return rate * eff * width / 8
+
+
+def metrics_line(sample: Mapping[str, Any]) -> str | None:
+    """A scraper sample {"t", "ms", "status", "error", "body"} -> the recording's line
+    {"t", "body"}; failed scrapes are dropped (None)."""
+    if sample.get("status") != 200 or not sample.get("body"):
+        return None
+    return json.dumps({"t": sample["t"], "body": sample["body"]})
+
+
+def kv_event_line(rec: Mapping[str, Any]) -> str | None:
+    """The recorder's {"nframes", "topic", "seq", "payload"} -> {"topic", "seq", "payload"};
+    undecodable messages are dropped (None)."""
+    if "payload" not in rec or "error" in rec:
+        return None
+    return json.dumps({"topic": rec["topic"], "seq": rec["seq"], "payload": rec["payload"]})
+
+
+def request_record(
+    req: Req,
+    *,
+    slot: int,
+    t_sched: float,
+    t_send: float,
+    t_end: float,
+    status: int | None,
+    body: Mapping[str, Any] | None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """One line of requests.jsonl: max_tokens is 1 unless the workload says otherwise, and the
+    request is not streamed, so its TTFT is the end-to-end latency (send to response)."""
+    usage = (body or {}).get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "i": req.i,
+        "id": (body or {}).get("id"),
+        "slot": slot,
+        "t_sched": round(t_sched, 6),
+        "t_send": round(t_send, 6),
+        "t_end": round(t_end, 6),
+        "ttft_s": round(t_end - t_send, 6),
+        "status": status,
+        "prompt_tokens": usage.get("prompt_tokens", len(req.prompt)),
+        "cached_tokens": details.get("cached_tokens"),
+        "sent_tokens": len(req.prompt),
+        "tags": dict(req.tags),
+        **({"error": error} if error else {}),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Ground truth: the same request sequence with and without offload
+# --------------------------------------------------------------------------------------------
+
+
+def verdict(relative_change: float, threshold: float = TRUTH_THRESHOLD) -> str:
+    """pays: summed TTFT drops by >= threshold; costs: rises by >= threshold; else neutral."""
+    if relative_change <= -threshold:
+        return "pays"
+    if relative_change >= threshold:
+        return "costs"
+    return "neutral"
+
+
+def _ok(records: Iterable[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
+    return {
+        int(r["i"]): r
+        for r in records
+        if r.get("status") == 200 and r.get("i") is not None and r.get("ttft_s") is not None
+    }
+
+
+def run_totals(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    ok = list(_ok(records).values())
+    if not ok:
+        return {"requests": 0}
+    t0 = min(float(r["t_send"]) for r in ok)
+    t1 = max(float(r["t_end"]) for r in ok)
+    prompt = sum(int(r.get("prompt_tokens") or 0) for r in ok)
+    return {
+        "requests": len(ok),
+        "failed": sum(1 for r in records if r.get("status") != 200),
+        "summed_ttft_s": round(sum(float(r["ttft_s"]) for r in ok), 6),
+        "mean_ttft_s": round(sum(float(r["ttft_s"]) for r in ok) / len(ok), 6),
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(int(r.get("cached_tokens") or 0) for r in ok),
+        "traffic_span_s": round(t1 - t0, 3),
+        "requests_per_s": round(len(ok) / (t1 - t0), 4) if t1 > t0 else None,
+        "prompt_tokens_per_s": round(prompt / (t1 - t0), 1) if t1 > t0 else None,
+        "max_inflight_seen": max_inflight(ok),
+    }
+
+
+def max_inflight(records: Iterable[Mapping[str, Any]]) -> int:
+    edges: list[tuple[float, int]] = []
+    for r in records:
+        edges += [(float(r["t_send"]), 1), (float(r["t_end"]), -1)]
+    cur = best = 0
+    for _, d in sorted(edges, key=lambda e: (e[0], e[1])):
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def paired_truth(
+    base: Sequence[Mapping[str, Any]],
+    offload: Sequence[Mapping[str, Any]],
+    *,
+    threshold: float = TRUTH_THRESHOLD,
+) -> dict[str, Any]:
+    """Summed TTFT of the requests both runs completed (matched by position i, the prompts are
+    identical by construction), the relative change, the verdict, and throughput."""
+    a, b = _ok(base), _ok(offload)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return {"matched": 0, "verdict": "unknown"}
+    sa = sum(float(a[i]["ttft_s"]) for i in common)
+    sb = sum(float(b[i]["ttft_s"]) for i in common)
+    rel = (sb - sa) / sa if sa > 0 else 0.0
+    ta, tb = run_totals([a[i] for i in common]), run_totals([b[i] for i in common])
+    span = max(ta["traffic_span_s"], 1e-9)
+    return {
+        "matched": len(common),
+        "only_base": len(set(a) - set(b)),
+        "only_offload": len(set(b) - set(a)),
+        "summed_ttft_base_s": round(sa, 6),
+        "summed_ttft_offload_s": round(sb, 6),
+        "relative_change": round(rel, 5),
+        "verdict": verdict(rel, threshold),
+        "ttft_saved_s_per_s": round((sa - sb) / span, 6),
+        "cached_tokens_base": ta["cached_tokens"],
+        "cached_tokens_offload": tb["cached_tokens"],
+        "requests_per_s_base": ta["requests_per_s"],
+        "requests_per_s_offload": tb["requests_per_s"],
+        "throughput_change": (
+            round(tb["requests_per_s"] / ta["requests_per_s"] - 1, 5)
+            if ta["requests_per_s"] and tb["requests_per_s"]
+            else None
+        ),
+    }
