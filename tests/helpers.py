@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
+from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.whatif_vs_observed import open_text, read_text
 from exporter import expfmt
-from exporter.vllm_metrics import WANTED, TargetSample, normalise
+from exporter.kvevents_codec import Message, read_records
+from exporter.lmcache import lmcache_samples
+from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
+from exporter.vllm_cmdline import LaunchConfig
+from exporter.vllm_metrics import WANTED, EngineKey, TargetSample, normalise
 from exporter.window import TargetWindow
 
 
@@ -25,3 +35,90 @@ def rename(text: str, mapping: dict[str, str]) -> str:
     for old, new in mapping.items():
         text = text.replace(old, new)
     return text
+
+
+# --- the backend fixtures (tests/fixtures/gpu, tests/fixtures/backends; docs/backends.md) ---
+#
+# Real data: the H200 runs with vLLM 0.26.0 (tests/fixtures/gpu/: small-tier = 0.25 GiB CPU
+# primary + fs secondary tier, small-arc = ARC at 0.25 GiB, small-thr2 = store_threshold 2 at
+# 0.5 GiB, small-a = the same prompts without offload), their recorded command lines, 1 s
+# /metrics sequences and KV events.
+#
+# Synthesized data (tests/fixtures/backends/, every file marked "# SYNTHESIZED"): vLLM 0.32's
+# per-tier tiering counters, SimpleCPUOffloadConnector and NIXL series rendered by vLLM
+# 0.32.0's own metric classes (synthesize.py), LMCache's series rendered from its
+# observability.py definitions (synthesize_lmcache.py). Expected values are computed from
+# the expositions with prometheus_client's parser, or are the scenario's scripted inputs.
+
+REPO = Path(__file__).resolve().parent.parent
+GPU = REPO / "tests" / "fixtures" / "gpu"
+SYNTH = REPO / "tests" / "fixtures" / "backends"
+GIB = 1 << 30
+MODEL = "qwen3-dummy"
+E0 = EngineKey(MODEL, "0")
+E1 = EngineKey(MODEL, "1")
+KV_BYTES_PER_TOKEN = 114_688  # the small shape: 28 layers x 8 KV heads x 128 x 2 x 2 bytes
+CHUNK = 16 * KV_BYTES_PER_TOKEN
+LARGE = EngineKey("qwen3-32b-dummy", "0")  # the large shape (NIXL scenarios)
+KV_BYTES_PER_TOKEN_32B = 262_144
+
+
+def raw(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` whose labels include `labels` (prometheus_client,
+    independent of the exporter)."""
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def recorded_cmd(config: str) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of a recorded cmd.txt (first line, then KEY=VALUE lines)."""
+    lines = (GPU / config / "cmd.txt").read_text().splitlines()
+    env = dict(ln.split("=", 1) for ln in lines[1:] if "=" in ln and not ln.startswith("#"))
+    return shlex.split(lines[0]), env
+
+
+def gpu_metrics(config: str, when: str, wl: str) -> str:
+    return read_text(GPU / config / f"metrics_{when}_{wl}.prom")
+
+
+def gpu_scrapes(config: str) -> list[dict[str, Any]]:
+    """The successful 1 s scrapes of a GPU run ({"t", "body", "status"})."""
+    with open_text(GPU / config / "vllm_metrics.jsonl") as fh:
+        return [s for s in map(json.loads, fh) if s.get("status") == 200]
+
+
+def gpu_events(config: str) -> list[Message]:
+    with open_text(GPU / config / "kv_events.jsonl") as fh:
+        return list(read_records(fh))
+
+
+def synth(name: str, step: str) -> str:
+    text = (SYNTH / f"{name}.{step}.prom").read_text()
+    assert text.startswith("# SYNTHESIZED"), name
+    return text
+
+
+def window_derived(
+    before: str,
+    after: str,
+    ek: EngineKey,
+    *,
+    launch: LaunchConfig | None = None,
+    kv_bytes_per_token: float | None = None,
+) -> EngineDerived:
+    """Engine `ek` derived from two expositions 10 s apart (LMCache's series mapped)."""
+    win = TargetWindow(300.0)
+    for ts, text in ((0.0, before), (10.0, after)):
+        win.add(normalise(lmcache_samples(expfmt.parse(text, WANTED)), ts))
+    d = derive_engine(
+        win,
+        ek,
+        10.0,
+        DeriveSettings(stale_after=30.0, launch=launch, kv_bytes_per_token=kv_bytes_per_token),
+    )
+    assert d is not None
+    return d

@@ -68,14 +68,6 @@ def test_parse_helpers():
         parse_bytes("-1")
 
 
-def test_check_config_exit_codes(capsys):
-    from exporter.cli import main
-
-    assert main(["--check-config", "--vllm-url", "http://127.0.0.1:8000"]) == 0
-    assert main(["--check-config"]) == 2
-    assert "no vLLM target" in capsys.readouterr().err
-
-
 def test_every_option_is_a_config_field_and_every_field_an_option():
     from dataclasses import fields
 

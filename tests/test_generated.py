@@ -49,16 +49,7 @@ def rules_pairs() -> set[tuple[str, str]]:
     return pairs
 
 
-# --- the tables themselves ---------------------------------------------------------------
-
-
-def test_every_action_and_reason_has_its_entry_in_enum_order() -> None:
-    assert list(ACTION_INFO) == list(Action)
-    assert list(REASON_INFO) == list(Reason)
-    for info in ACTION_INFO.values():
-        assert info.title and info.meaning and "|" not in info.meaning
-    for rinfo in REASON_INFO.values():
-        assert rinfo.meaning and "|" not in rinfo.meaning
+# --- the tables themselves (their entries: tests/model/advisor/test_types.py) -------------
 
 
 def test_each_reasons_action_is_the_one_rules_returns_with_it() -> None:

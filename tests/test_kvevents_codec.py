@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.whatif_vs_observed import open_text
 from exporter.kvevents_codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -27,7 +28,9 @@ from exporter.kvevents_codec import (
     decode_record,
     encode_record,
     read_file,
+    read_records,
 )
+from tests.helpers import GPU
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CPU_EVENTS = FIXTURES / "vllm-0.32.0-cpu" / "kv-events.jsonl"
@@ -162,3 +165,15 @@ def test_recorded_file_reads_back(tmp_path: Path) -> None:
     stats = ReadStats()
     got: list[Message] = list(read_file(path, stats))
     assert len(got) == 1 and stats.bad_lines == 2
+
+
+def test_tiering_run_writes_to_the_fs_tier_in_kv_events() -> None:
+    """0.26's fs tier publishes hash-only BlockStored events with medium "FS" (0.32: STORAGE)."""
+    media: dict[tuple[str, str], int] = {}
+    with open_text(GPU / "small-tier" / "kv_events.jsonl") as fh:
+        for msg in read_records(fh):
+            for ev in msg.raw[1]:
+                key = (str(ev["type"]), str(ev.get("medium")))
+                media[key] = media.get(key, 0) + 1
+    assert media[("BlockStored", "FS")] > 0 and ("BlockRemoved", "FS") not in media
+    assert not any(m == "STORAGE" for _, m in media)

@@ -10,8 +10,6 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "exporter"
 
 # What the pure model must never reach: I/O, threads, the clock, and the layers around it.
@@ -178,13 +176,29 @@ def test_runtime_asks_no_source_for_anything_by_name() -> None:
     assert calls == []
 
 
-@pytest.mark.parametrize("layer", ["sources", "model", "render"])
-def test_every_module_of_a_layer_has_its_test_file(layer: str) -> None:
-    tests = Path(__file__).resolve().parent
-    missing = [
-        str(p.relative_to(PACKAGE))
-        for p in sorted((PACKAGE / layer).rglob("*.py"))
-        if p.name != "__init__.py"
-        and not (tests / p.relative_to(PACKAGE).parent / f"test_{p.stem}.py").exists()
+def missing_test_files(package: Path, tests: Path) -> list[str]:
+    """Modules of `package` (all of it, top level included; not __init__.py or __main__.py)
+    without their tests/<path>/test_<module>.py."""
+    return [
+        str(p.relative_to(package))
+        for p in sorted(package.rglob("*.py"))
+        if p.name not in ("__init__.py", "__main__.py")
+        and not (tests / p.relative_to(package).parent / f"test_{p.stem}.py").is_file()
     ]
-    assert missing == []
+
+
+def test_every_module_of_a_layer_has_its_test_file() -> None:
+    tests = Path(__file__).resolve().parent
+    assert missing_test_files(PACKAGE, tests) == []
+
+
+def test_the_test_file_check_sees_a_missing_one(tmp_path: Path) -> None:
+    pkg, tests = tmp_path / "pkg", tmp_path / "tests"
+    for rel in ("__init__.py", "__main__.py", "top.py", "layer/__init__.py", "layer/deep.py"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("")
+    (tests / "layer").mkdir(parents=True)
+    (tests / "test_top.py").write_text("")
+    assert missing_test_files(pkg, tests) == ["layer/deep.py"]
+    (tests / "layer" / "test_deep.py").write_text("")
+    assert missing_test_files(pkg, tests) == []

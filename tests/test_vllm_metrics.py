@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import re
+
 from exporter.vllm_metrics import EngineKey
 from tests.conftest import CPU, H200
-from tests.helpers import rename, sample_from
+from tests.helpers import gpu_metrics, rename, sample_from, synth
 
 ENGINE_H200 = EngineKey("qwen3-dummy", "0")
 ENGINE_CPU = EngineKey("tiny-llama", "0")
@@ -139,7 +141,25 @@ def test_series_appear_in_the_fixtures_except_the_unrecorded():
         "vllm:gpu_prefix_cache_hits_total",
         "vllm:gpu_prefix_cache_hits",
         "vllm:kv_offload_config_info",
-        # recorded compressed (tests/fixtures/gpu/small-thr2), checked by test_backends.py
+        # recorded compressed (tests/fixtures/gpu/small-thr2),
+        # checked by tests/model/derive/test_backends.py
         "vllm:kv_offload_stores_skipped_total",
     }
     assert all(SERIES[n].condition for n in missing)
+
+
+def test_dashboard_backend_series_appear_in_the_backend_fixtures() -> None:
+    """The conditional vLLM series the dashboards query (exporter/vllm_metrics.py SERIES),
+    found in the backend fixtures (tests/test_dashboards.py checks the dashboards themselves)."""
+    from dashboards.build import vllm_series
+    from exporter.vllm_metrics import SERIES
+
+    conditional = {n for n in vllm_series() if SERIES[n].condition}
+    assert conditional, "no conditional series: the selection is broken"
+
+    texts = "".join(
+        [synth(n, "after") for n in ("vllm-0.32-tiering", "vllm-0.32-simple")]
+        + [gpu_metrics(c, "after", "W2") for c in ("small-tier", "small-thr2")]
+    )
+    for name in conditional:
+        assert re.search(re.escape(name) + r"[ {_]", texts), name

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
+from bench.whatif_vs_observed import observed, windowed_hits
 from exporter.kvevents_codec import Message, decode_batch
 from exporter.model.whatif.engine import (
     POLICY_COMBOS,
@@ -17,6 +19,8 @@ from exporter.model.whatif.engine import (
     WhatIf,
     WhatIfSettings,
 )
+from exporter.model.whatif.simulator import blocks_for_bytes
+from tests.helpers import CHUNK, GIB, GPU, gpu_events
 from tests.model.whatif.common import Item, stored
 
 
@@ -139,3 +143,49 @@ def test_snapshots_are_frozen_and_refreshed_by_step_only() -> None:
         first[0].batches = 5  # type: ignore[misc]
     w.step([Item(0, stored(2.0, 2, parent=1))])
     assert w.snapshots() is not first and w.snapshots()[0].batches == 2
+
+
+# --- the policy simulators against the real ARC and threshold runs (H200, vLLM 0.26) ------
+
+
+@pytest.fixture(scope="module")
+def small_a_events() -> list[Message]:
+    return gpu_events("small-a")
+
+
+def _count_window(wl: str) -> tuple[float, float]:
+    doc = json.loads((GPU / f"small-eager-{wl}" / "run.json").read_text())
+    (nooffload,) = [r for r in doc["runs"] if r["dir"] == "nooffload"]
+    return float(nooffload["count"][0]), float(nooffload["count"][1])
+
+
+@pytest.mark.parametrize("wl", ["W1", "W2"])
+@pytest.mark.parametrize(
+    ("run", "size", "combo"),
+    [
+        ("offload-0.25GiB-arc", 0.25, ("arc", 0)),
+        ("offload-0.5GiB-thr2", 0.5, ("lru", 2)),
+        ("offload-0.25GiB", 0.25, ("lru", 0)),
+        ("offload-0.5GiB", 0.5, ("lru", 0)),
+    ],
+)
+def test_policy_whatif_predicts_the_real_arc_and_threshold_runs(
+    small_a_events: list[Message], wl: str, run: str, size: float, combo: tuple[str, int]
+) -> None:
+    """The exporter's policy simulators on the no-offload events vs the offload runs' own
+    external_kv_transfer share (the prompts are identical: fixed seeds)."""
+    blocks = blocks_for_bytes(int(size * GIB), CHUNK)
+    sim = EngineSim(0, WhatIfSettings(sizes_bytes=(int(size * GIB),)))
+    sim.configure(SimConfig((blocks,), None, policy_blocks=blocks))
+    for msg in small_a_events:
+        sim.process(msg)
+    t0, t1 = _count_window(wl)
+    i = POLICY_COMBOS.index(combo)
+    hits = sum(b.hits[i] for b in sim.snapshot().policy_buckets if t0 <= b.start < t1)
+    ext, prompt = observed(GPU / f"small-eager-{wl}" / run)
+    assert abs(hits / prompt - ext / prompt) <= 0.01, (hits / prompt, ext / prompt)
+    # and the same hits as the offline what-if's own replay of the same window
+    (offline,) = windowed_hits(
+        small_a_events, [blocks], (t0, t1), policy=combo[0], store_threshold=combo[1]
+    )
+    assert hits == offline

@@ -1,26 +1,33 @@
-"""The advisor on recorded real windows and on the edge cases around each threshold."""
+"""exporter/model/advisor/rules.py: evaluate() on recorded real windows, on the edge cases
+around each threshold, and the policy sentence of its explanations."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from exporter.model.advisor.hysteresis import Advisor
 from exporter.model.advisor.rules import evaluate
-from exporter.model.advisor.types import Action, AdvisorInput, MemoryState, WhatIfPoint, WhatIfState
-from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
+from exporter.model.advisor.types import (
+    Action,
+    AdvisorInput,
+    MemoryState,
+    PolicyPoint,
+    WhatIfPoint,
+    WhatIfState,
+)
+from exporter.model.derive.engines import DeriveSettings, derive_engine
 from exporter.model.derive.fits import OffloadFit
 from exporter.thresholds import DEFAULT
-from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
+from exporter.vllm_metrics import EngineSample, TargetSample
 from exporter.window import TargetWindow
 from tests.conftest import H200
 from tests.helpers import sample_from
+from tests.model.advisor.common import CURVE, EK, GIB, ON, base, inp
 
-GIB = 1 << 30
-EK = EngineKey("qwen3-dummy", "0")
 # The recorded H200 runs are 25 requests in about 1.5 s: accept that little evidence here.
 SHORT = replace(DEFAULT, min_window_seconds=0.0, min_prompt_tokens=10_000.0)
 
@@ -111,52 +118,6 @@ def test_h200_small_model_without_offload_is_not_told_to_enable_it():
     assert a.reason == "reload_not_faster_estimate"
 
 
-def base(**kw: object) -> EngineDerived:
-    """A fresh engine with plenty of evidence; override what the case is about."""
-    defaults: dict[str, object] = dict(
-        key=EK,
-        fresh=True,
-        offload_enabled=False,
-        offload_buffer_bytes=None,
-        gpu_capacity_tokens=2336.0,
-        block_size=16,
-        kv_usage=0.95,
-        gpu_prefix_hit_ratio=0.2,
-        offload_hit_ratio=None,
-        offload_lookup_hit_ratio=None,
-        load_bandwidth=None,
-        store_bandwidth=None,
-        reuse_ratio=None,
-        kv_bytes_per_token=114688.0,
-        kv_bytes_per_token_method="offload_loads",
-        prefill_fit=None,
-        offload_fit=None,
-        recompute_tokens_per_second=23_000.0,
-        recompute_negligible=False,
-        prefill_average_tokens_per_second=20_000.0,
-        transfer_tokens_per_second=110_000.0,
-        transfer_estimated=True,
-        transfer_speedup=110_000 / 23_000,
-        transfer_speedup_lower=0.8 * 110_000 / 23_000,
-        window={"prompt_tokens": 400_000.0, "preemptions": 3.0},
-        totals={},
-    )
-    defaults.update(kw)
-    return EngineDerived(**defaults)  # type: ignore[arg-type]
-
-
-CURVE = (
-    WhatIfPoint(0.25 * GIB, 0.10),
-    WhatIfPoint(0.5 * GIB, 0.17),
-    WhatIfPoint(1 * GIB, 0.18),
-    WhatIfPoint(2 * GIB, 0.18),
-)
-
-
-def inp(d: EngineDerived, **kw: object) -> AdvisorInput:
-    return AdvisorInput(derived=d, covered_seconds=300.0, **kw)  # type: ignore[arg-type]
-
-
 def test_laptop_case_recompute_after_eviction_enables_offload_with_knee_size():
     # Published laptop run: ~23k tokens/s recompute vs ~110k tokens/s reload.
     w = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0)
@@ -196,21 +157,6 @@ def test_recompute_after_eviction_below_threshold_is_no_action():
     w = WhatIfState(CURVE, recomputed_after_eviction_tokens=0.01 * 400_000)
     a = evaluate(inp(base(), whatif=w))
     assert a.action == Action.NO_ACTION and a.reason == "no_recompute_after_eviction"
-
-
-# Laptop-like measured TTFT costs: 40 us per recomputed token, 10 us per loaded one.
-PAYS = OffloadFit(
-    0.014, 40e-6, 10e-6, 60, 0.99, saving_stderr=2e-6, computed_stderr=1.5e-6, loaded_stderr=1e-6
-)
-ON = dict(
-    offload_enabled=True,
-    offload_buffer_bytes=0.5 * GIB,
-    offload_hit_ratio=0.17,
-    reuse_ratio=0.3,
-    load_bandwidth=12.6e9,
-    transfer_estimated=False,
-    offload_fit=PAYS,
-)
 
 
 def test_offload_paying_off_is_kept():
@@ -319,21 +265,66 @@ def test_stale_target_gives_no_advice():
     assert evaluate(inp(base(fresh=False))).reason == "target_stale"
 
 
-def test_hysteresis_holds_advice_until_the_new_one_is_confirmed():
-    adv = Advisor(confirm=3)
-    keep = inp(base(**ON))
-    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
-    assert adv.update("t", keep).action == Action.KEEP
-    first = adv.update("t", drop)
-    assert first.action == Action.KEEP and first.candidate == Action.DISABLE_OFFLOAD
-    assert adv.update("t", keep).action == Action.KEEP  # flapping resets the count
-    assert adv.update("t", drop).action == Action.KEEP
-    assert adv.update("t", drop).action == Action.KEEP
-    assert adv.update("t", drop).action == Action.DISABLE_OFFLOAD
+# --- the advisor's policy sentence ----------------------------------------------------------
 
 
-def test_hysteresis_does_not_delay_oom_risk():
-    adv = Advisor(confirm=5)
-    adv.update("t", inp(base(**ON)))
-    mem = MemoryState(limit_bytes=16 * GIB, usage_bytes=15.5 * GIB, pool_bytes=1 * GIB)
-    assert adv.update("t", inp(base(**ON), memory=mem)).action == Action.REDUCE_BUFFER_OOM_RISK
+def _inp(points: tuple[PolicyPoint, ...], **over: Any) -> AdvisorInput:
+    return AdvisorInput(derived=base(**over), covered_seconds=600.0, policy_alternatives=points)
+
+
+def test_advisor_names_a_better_policy_without_changing_the_action() -> None:
+    size = 0.25 * GIB
+    points = (
+        PolicyPoint("lru", 0, size, 0.002, configured=True),
+        PolicyPoint("arc", 0, size, 0.094),
+        PolicyPoint("lru", 2, size, 0.0),
+        PolicyPoint("arc", 2, size, 0.01),
+    )
+    base = _inp((), offload_enabled=True, offload_buffer_bytes=size, offload_hit_ratio=0.002)
+    plain = evaluate(base)
+    noted = evaluate(
+        _inp(points, offload_enabled=True, offload_buffer_bytes=size, offload_hit_ratio=0.002)
+    )
+    assert noted.action == plain.action and noted.reason == plain.reason
+    assert noted.explanation.startswith(plain.explanation)
+    assert (
+        "serves 9.4% of prompt tokens with eviction_policy arc against 0.2% with the "
+        "configured eviction_policy lru" in noted.explanation
+    )
+    assert '{"eviction_policy": "arc"}' in noted.explanation
+    assert noted.numbers["whatif_best_policy_hit_ratio"] == 0.094
+    close = tuple(
+        PolicyPoint(
+            p.policy,
+            p.store_threshold,
+            size,
+            0.002 + (0.01 if p.policy == "arc" else 0),
+            p.configured,
+        )
+        for p in points
+    )
+    quiet = evaluate(
+        _inp(close, offload_enabled=True, offload_buffer_bytes=size, offload_hit_ratio=0.002)
+    )
+    assert quiet.explanation == plain.explanation  # a gain below whatif_gain_material
+
+
+def test_advisor_policy_sentence_when_offload_is_recommended() -> None:
+    """Offload off: the sentence compares against vLLM's default, only with enable_offload."""
+    size = 0.5 * GIB
+    points = (
+        PolicyPoint("lru", 0, size, 0.10),
+        PolicyPoint("arc", 0, size, 0.20),
+        PolicyPoint("lru", 2, size, 0.0),
+        PolicyPoint("arc", 2, size, 0.0),
+    )
+    curve = (WhatIfPoint(0.25 * GIB, 0.10), WhatIfPoint(size, 0.17), WhatIfPoint(GIB, 0.18))
+    whatif = WhatIfState(curve, recomputed_after_eviction_tokens=70_000.0)
+    a = evaluate(AdvisorInput(base(), 300.0, whatif=whatif, policy_alternatives=points))
+    assert a.action == Action.ENABLE_OFFLOAD
+    assert "vLLM's default eviction_policy lru" in a.explanation
+    assert '{"eviction_policy": "arc"}' in a.explanation
+    # the same points with no pressure: no_action, and no sentence about policies
+    calm = base(kv_usage=0.3, window={"prompt_tokens": 400_000.0})
+    b = evaluate(AdvisorInput(calm, 300.0, policy_alternatives=points))
+    assert b.action == Action.NO_ACTION and "eviction_policy" not in b.explanation

@@ -1,11 +1,11 @@
-from __future__ import annotations
+"""exporter/model/derive/engines.py: derive_engine on recorded vLLM expositions (H200 runs
+of vLLM 0.26.0, a CPU capture of vLLM 0.32.0)."""
 
-import random
+from __future__ import annotations
 
 import pytest
 
 from exporter.model.derive.engines import DeriveSettings, derive_engine
-from exporter.model.derive.fits import prefill_fit
 from exporter.vllm_metrics import EngineKey
 from tests.conftest import CPU, H200
 from tests.helpers import sample_from, window_of
@@ -82,30 +82,3 @@ def test_ratio_without_denominator_is_absent():
     d = derive_engine(window_of(before, later), H200_EK, 5.0, FRESH)
     assert d is not None
     assert d.gpu_prefix_hit_ratio is None and d.offload_hit_ratio is None
-
-
-def test_prefill_fit_recovers_marginal_cost_and_fixed_overhead():
-    rng = random.Random(1)
-    overhead, per_token = 0.012, 2e-6
-    pts = []
-    for _ in range(20):
-        n = rng.randint(1, 30)
-        tokens = sum(rng.choice([0, 144, 1600]) for _ in range(n))
-        y = n * overhead + tokens * per_token
-        pts.append((float(n), float(tokens), y * (1 + rng.uniform(-0.005, 0.005))))
-    fit = prefill_fit(pts, 4)
-    assert fit is not None
-    assert fit.seconds_per_token == pytest.approx(per_token, rel=0.1)
-    assert fit.overhead_seconds == pytest.approx(overhead, rel=0.1)
-    # The average rate mixes the fixed cost in and understates how fast recompute is.
-    average = sum(t for _, t, _ in pts) / sum(y for _, _, y in pts)
-    assert average < 0.5 / per_token
-
-
-def test_prefill_fit_refuses_when_request_size_never_varies():
-    pts = [(float(n), 1600.0 * n, 0.01 * n + 1600 * n * 2e-6) for n in range(1, 10)]
-    assert prefill_fit(pts, 4) is None
-
-
-def test_prefill_fit_needs_enough_points():
-    assert prefill_fit([(1.0, 10.0, 0.1), (2.0, 100.0, 0.3)], 4) is None

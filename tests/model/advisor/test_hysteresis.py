@@ -1,0 +1,78 @@
+"""exporter/model/advisor/hysteresis.py: the Advisor holds advice until a new action is
+confirmed, applies urgent ones at once, and forgets engines that are gone."""
+
+from __future__ import annotations
+
+from exporter.model.advisor.hysteresis import Advisor
+from exporter.model.advisor.rules import evaluate
+from exporter.model.advisor.types import Action, MemoryState
+from exporter.vllm_metrics import EngineKey
+from tests.model.advisor.common import EK, GIB, ON, base, inp
+
+
+def test_hysteresis_holds_advice_until_the_new_one_is_confirmed():
+    adv = Advisor(confirm=3)
+    keep = inp(base(**ON))
+    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    assert adv.update("t", keep).action == Action.KEEP
+    first = adv.update("t", drop)
+    assert first.action == Action.KEEP and first.candidate == Action.DISABLE_OFFLOAD
+    assert adv.update("t", keep).action == Action.KEEP  # flapping resets the count
+    assert adv.update("t", drop).action == Action.KEEP
+    assert adv.update("t", drop).action == Action.KEEP
+    assert adv.update("t", drop).action == Action.DISABLE_OFFLOAD
+
+
+def test_hysteresis_does_not_delay_oom_risk():
+    adv = Advisor(confirm=5)
+    adv.update("t", inp(base(**ON)))
+    mem = MemoryState(limit_bytes=16 * GIB, usage_bytes=15.5 * GIB, pool_bytes=1 * GIB)
+    assert adv.update("t", inp(base(**ON), memory=mem)).action == Action.REDUCE_BUFFER_OOM_RISK
+
+
+def test_advisor_forget_missing_drops_the_standing_advice_and_the_pending_count():
+    adv = Advisor(confirm=2)
+    keep = inp(base(**ON))
+    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    assert adv.update("t", keep).action == Action.KEEP
+    assert adv.update("t", drop).candidate == Action.DISABLE_OFFLOAD  # 1 of 2
+    adv.forget_missing(set())
+    # Gone and back: no standing advice to hold, so the first evaluation applies at once.
+    assert adv.update("t", drop).action == Action.DISABLE_OFFLOAD
+    assert adv.update("t", keep).action == Action.DISABLE_OFFLOAD  # held again
+    adv.forget_missing({("t", EK)})  # still present: nothing forgotten
+    assert adv.update("t", keep).action == Action.KEEP  # 2 of 2
+
+
+def test_advisor_keeps_engines_and_targets_apart():
+    adv = Advisor(confirm=2)
+    keep = inp(base(**ON))
+    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    other = inp(base(**{**ON, "key": EngineKey("qwen3-dummy", "1")}))
+    adv.update("a", keep)
+    adv.update("a", other)
+    adv.update("b", keep)
+    assert adv.update("a", drop).action == Action.KEEP
+    # The other engine and the other target have counts of their own.
+    assert adv.update("b", drop).action == Action.KEEP
+    assert adv.update("a", drop).action == Action.DISABLE_OFFLOAD
+    assert adv.update("a", other).action == Action.KEEP
+
+
+def test_advisor_leaves_insufficient_data_at_once_and_refreshes_held_numbers():
+    adv = Advisor(confirm=5)
+    assert adv.update("t", inp(base(fresh=False))).action == Action.INSUFFICIENT_DATA
+    assert adv.update("t", inp(base(**ON))).action == Action.KEEP  # no hysteresis out of it
+    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    held = adv.update("t", drop)
+    assert (held.action, held.reason) == (Action.KEEP, "paying_off")
+    assert held.candidate == Action.DISABLE_OFFLOAD
+    assert held.numbers == evaluate(drop).numbers  # the latest numbers, the standing action
+
+
+def test_advisor_confirm_below_one_means_every_evaluation_counts():
+    adv = Advisor(confirm=0)
+    assert adv.confirm == 1
+    adv.update("t", inp(base(**ON)))
+    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    assert adv.update("t", drop).action == Action.DISABLE_OFFLOAD
