@@ -1,6 +1,7 @@
 """exporter/render/exposition.py: the renderer's bytes equal a direct rendering with
 prometheus_client's number formatting (what it was before its caches), for every catalogue
-metric, both formats, any label values and values."""
+metric, both formats, any label values and values; and the contract (one HELP/TYPE block per
+name, counter naming, info values, escaping) read back with prometheus_client's parsers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from exporter.catalogue import CATALOGUE, Family
@@ -82,3 +87,70 @@ def test_label_cache_is_bounded_and_answers_the_same(monkeypatch) -> None:
     first = Exposition([fam]).body(TEXT)
     assert len(exposition._HEADS) <= 2
     assert Exposition([fam]).body(TEXT) == first == _direct([fam], False)
+
+
+# --- the contract, checked with prometheus_client's parsers -------------------------------
+
+
+def _fam(name: str, *samples: tuple[list[str], float]) -> Family:
+    f = Family(name)
+    for labels, value in samples:
+        f.add(labels, value)
+    return f
+
+
+def test_families_of_one_name_share_one_help_and_type_block() -> None:
+    a = _fam("kvoffload_target_up", (["a"], 1.0))
+    b = _fam("kvoffload_target_up", (["b"], 0.0))
+    empty = _fam("kvoffload_window_seconds")
+    text = Exposition([a, empty, b]).text.decode()
+    assert text == (
+        f"# HELP kvoffload_target_up {a.definition.help}\n"
+        "# TYPE kvoffload_target_up gauge\n"
+        'kvoffload_target_up{target="a"} 1.0\n'
+        'kvoffload_target_up{target="b"} 0.0\n'
+    )
+    assert len(a) == 1  # the inputs are not changed by the merge
+
+
+def test_empty_exposition_renders_nothing_but_the_openmetrics_eof() -> None:
+    exp = Exposition([_fam("kvoffload_target_up")])
+    assert exp.text == b"\n"
+    assert exp.openmetrics == b"# EOF\n"
+
+
+def test_counters_are_named_with_total_in_text_and_without_in_openmetrics() -> None:
+    exp = Exposition([_fam("kvoffload_target_resets_total", (["t"], 2.0))])
+    text = exp.body(TEXT).decode()
+    assert "# TYPE kvoffload_target_resets_total counter\n" in text
+    assert 'kvoffload_target_resets_total{target="t"} 2.0\n' in text
+    om = exp.body(OPENMETRICS).decode()
+    assert "# TYPE kvoffload_target_resets counter\n" in om and om.endswith("# EOF\n")
+    (parsed,) = openmetrics_families(om)
+    assert parsed.name == "kvoffload_target_resets" and parsed.type == "counter"
+    assert [(s.name, s.labels, s.value) for s in parsed.samples] == [
+        ("kvoffload_target_resets_total", {"target": "t"}, 2.0)
+    ]
+
+
+def test_info_metrics_are_gauges_of_value_one() -> None:
+    text = Exposition([_fam("kvoffload_build_info", (["1.0", "3.11"], 7.0))]).text.decode()
+    assert "# TYPE kvoffload_build_info gauge\n" in text
+    assert 'kvoffload_build_info{version="1.0",python_version="3.11"} 1.0\n' in text
+
+
+def test_label_values_are_escaped_and_parse_back() -> None:
+    nasty = 'a\\b"c\nd'
+    f = _fam("kvoffload_target_info", (["t", 'http://x/?q="1"', nasty], 1.0))
+    text = Exposition([f]).text.decode()
+    assert 'vllm_version="a\\\\b\\"c\\nd"' in text
+    (parsed,) = text_string_to_metric_families(text)
+    (sample,) = parsed.samples
+    assert sample.labels == {"target": "t", "url": 'http://x/?q="1"', "vllm_version": nasty}
+
+
+def test_bodies_are_rendered_once_per_format() -> None:
+    exp = Exposition([_fam("kvoffload_target_up", (["a"], 1.0))])
+    assert exp.body(TEXT) is exp.body(TEXT) is exp.text
+    assert exp.body(OPENMETRICS) is exp.openmetrics
+    assert exp.body(TEXT, compressed=True) is exp.body(TEXT, compressed=True)
