@@ -1,0 +1,66 @@
+"""The advice on every real-GPU matrix recording against the truth its runs measured
+(bench/advice_eval.py, issue 16): never harmful, predictions within tolerance, labels from
+the measured latencies only."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.advice_eval import MATRIX, _judge, evaluate, summary
+
+
+@pytest.fixture(scope="module")
+def evals():  # type: ignore[no-untyped-def]
+    return evaluate()
+
+
+def test_the_matrix_is_there_and_every_run_has_a_measured_label(evals) -> None:  # type: ignore[no-untyped-def]
+    assert len(evals) >= 6
+    assert all(e.truth in ("pays", "neutral", "costs") for e in evals)
+
+
+def test_no_advice_is_harmful(evals) -> None:  # type: ignore[no-untyped-def]
+    """No enable or keep where offload costs at the size in question, no disable where it
+    pays (the issue's hard goal)."""
+    assert summary(evals)["harmful"] == []
+
+
+def test_every_saving_predicted_before_enabling_matches_what_enabling_measured(evals) -> None:  # type: ignore[no-untyped-def]
+    s = summary(evals)
+    assert s["predictions"] >= 3
+    misses = [e.run for e in evals if e.prediction_ok is False]
+    assert misses == []
+
+
+def test_judging_follows_the_definition() -> None:
+    assert _judge("enable_offload", "pays", True) == (True, False)
+    assert _judge("enable_offload", "costs", True) == (False, True)
+    assert _judge("keep", "costs", True) == (False, True)
+    assert _judge("disable_offload", "pays", True) == (False, True)
+    assert _judge("disable_offload", "neutral", True) == (True, False)
+    assert _judge("no_action", "costs", True) == (True, False)
+    assert _judge("insufficient_data", "costs", True) == (False, False)
+    assert _judge("enable_offload", "costs", False) == (False, False)  # unverified size
+
+
+def test_labels_come_from_the_measured_latencies(tmp_path: Path) -> None:
+    """The same recordings with the offload run's TTFTs cut by a fifth: the pair's label
+    turns to pays, whatever the shape or workload."""
+    pair = ("qwen3-8b-rag-zipf-none", "qwen3-8b-rag-zipf-cpu64k")
+    for name in pair:
+        shutil.copytree(MATRIX / name, tmp_path / name)
+    path = tmp_path / pair[1] / "requests.jsonl.xz"
+    with lzma.open(path, "rt") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    for row in rows:
+        if row.get("ttft_s") is not None:
+            row["ttft_s"] *= 0.8
+    with lzma.open(path, "wt") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    truths = {e.run: e.truth for e in evaluate(tmp_path)}
+    assert truths == {pair[0]: "pays", pair[1]: "pays"}
