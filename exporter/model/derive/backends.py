@@ -222,9 +222,12 @@ def nixl_link_type(ucx_tls: str | None, nvlink_active: bool | None = None) -> st
 
     NVML's NVLink state decides where it is readable (NOT_SUPPORTED on single-GPU VMs).
     Otherwise the UCX transports NIXL's default backend may use (`UCX_TLS` of the vLLM
-    process): verbs transports (rc, dc, ud, ib) mean RDMA, only tcp means TCP, cuda_ipc
-    alone means same-node GPU peer copies (NVLink or PCIe). An exclusion list ("^...")
-    or "all" lets UCX pick at run time: unknown.
+    process): verbs transports (rc, dc, ud, ib) mean RDMA; tcp with only host-local helpers
+    means TCP; cuda_ipc without tcp means same-node GPU peer copies (NVLink or PCIe). The
+    staging copies (cuda_copy, rocm_copy) are no path of their own: NIXL 1.5 requires one of
+    them, so "tcp,cuda_copy" is TCP. cuda_ipc beside tcp is unknown: UCX chooses per
+    operation (on one H200 it wrote over cuda_ipc and read over tcp, docs/backends.md). An
+    exclusion list ("^...") or "all" lets UCX pick at run time: unknown.
     """
     if nvlink_active:
         return "nvlink"
@@ -233,14 +236,14 @@ def nixl_link_type(ucx_tls: str | None, nvlink_active: bool | None = None) -> st
     text = ucx_tls.strip().lower()
     if text.startswith("^"):
         return UNKNOWN
-    names = {t.strip() for t in text.split(",") if t.strip()}
+    names = {t.strip() for t in text.split(",") if t.strip()} - {"cuda_copy", "rocm_copy"}
     if not names or "all" in names:
         return UNKNOWN
     if any(n.split("_", 1)[0] in ("rc", "dc", "ud", "ib") for n in names):
         return "rdma"
     if names <= {"tcp", "self", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem"}:
         return "tcp" if "tcp" in names else UNKNOWN
-    if "cuda_ipc" in names:
+    if "cuda_ipc" in names and "tcp" not in names:
         return "cuda_ipc"
     return UNKNOWN
 

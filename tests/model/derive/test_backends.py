@@ -184,7 +184,10 @@ def test_nixl_link_type() -> None:
     assert nixl_link_type(None) == "unknown"
     assert nixl_link_type("rc,cuda_copy,cuda_ipc") == "rdma"
     assert nixl_link_type("dc_x") == "rdma"
-    assert nixl_link_type("tcp,cuda_copy") == "unknown"  # cuda_copy is not a network path
+    # cuda_copy is a staging copy, not a path: NIXL 1.5 refuses a UCX_TLS without it.
+    assert nixl_link_type("tcp,cuda_copy") == "tcp"
+    # With tcp allowed beside cuda_ipc UCX picks per operation (reads went tcp on an H200).
+    assert nixl_link_type("cuda_ipc,cuda_copy,tcp,self") == "unknown"
     assert nixl_link_type("tcp") == "tcp"
     assert nixl_link_type("tcp,self,sm") == "tcp"
     assert nixl_link_type("cuda_ipc,cuda_copy") == "cuda_ipc"
