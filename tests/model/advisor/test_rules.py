@@ -16,6 +16,7 @@ from exporter.model.advisor.types import (
     AdvisorInput,
     MemoryState,
     PolicyPoint,
+    TierEvidence,
     WhatIfPoint,
     WhatIfState,
 )
@@ -187,6 +188,51 @@ def test_stores_without_reuse_on_busy_pcie_raise_store_threshold():
     assert evaluate(inp(d, pcie_utilization=0.85)).action == Action.RAISE_STORE_THRESHOLD
     # Near miss: the same traffic on an idle link is left alone.
     assert evaluate(inp(d, pcie_utilization=0.5)).action == Action.KEEP
+
+
+def _evidence(share: float, dropped: int = 1000) -> TierEvidence:
+    return TierEvidence(dropped, share, share * dropped * 16 * 114688.0, 2 * GIB, 6 * GIB)
+
+
+def _threshold_points(with_threshold_hit: float) -> tuple[PolicyPoint, ...]:
+    size = 0.5 * GIB
+    return (
+        PolicyPoint("lru", 0, size, 0.17, configured=True),
+        PolicyPoint("arc", 0, size, 0.16),
+        PolicyPoint("lru", 2, size, with_threshold_hit),
+        PolicyPoint("arc", 2, size, 0.10),
+    )
+
+
+def test_stores_never_loaded_raise_store_threshold_when_the_whatif_keeps_the_hits():
+    d = base(**ON)
+    a = evaluate(inp(d, evidence=_evidence(0.9), policy_alternatives=_threshold_points(0.165)))
+    assert (a.action, a.reason) == (Action.RAISE_STORE_THRESHOLD, "stores_never_loaded")
+    assert '"store_threshold": 2' in a.explanation and "90.0%" in a.explanation
+    assert a.numbers["wasted_store_ratio"] == 0.9
+    # A threshold that would lose hits is not recommended: offload stays as it pays.
+    lost = evaluate(inp(d, evidence=_evidence(0.9), policy_alternatives=_threshold_points(0.12)))
+    assert lost.action == Action.KEEP
+    # Below the share, or with too few dropped chunks to trust it: keep.
+    low = evaluate(inp(d, evidence=_evidence(0.5), policy_alternatives=_threshold_points(0.165)))
+    assert low.action == Action.KEEP
+    few = _evidence(0.95, dropped=int(DEFAULT.min_dropped_chunks) - 1)
+    assert evaluate(inp(d, evidence=few, policy_alternatives=_threshold_points(0.17))).action == (
+        Action.KEEP
+    )
+
+
+def test_stores_never_loaded_do_not_rescue_offload_that_does_not_pay():
+    d = base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002})
+    a = evaluate(inp(d, evidence=_evidence(0.99), policy_alternatives=_threshold_points(0.17)))
+    assert a.action == Action.DISABLE_OFFLOAD
+
+
+def test_enable_advice_says_how_far_back_returning_prefixes_were_computed():
+    w = WhatIfState(CURVE, 70_000.0)
+    a = evaluate(inp(base(), whatif=w, evidence=_evidence(0.0)))
+    assert a.action == Action.ENABLE_OFFLOAD
+    assert "within the last 2.00 GiB of KV, 90% within 6.00 GiB" in a.explanation
 
 
 def test_pinned_pool_near_container_limit_is_urgent():

@@ -283,3 +283,42 @@ def test_exporter_policy_whatif_without_offload_at_the_recommended_size() -> Non
     assert abs(ratios[("arc", "0")] - share("small-arc")) <= 0.01
     assert abs(ratios[("lru", "0")] - share("small-c025")) <= 0.01
     assert ratios[("arc", "0")] > ratios[("lru", "0")] + DEFAULT.whatif_gain_material
+
+
+def test_tier_evidence_puts_bytes_on_the_engine_counts() -> None:
+    from exporter.model.whatif.engine import EngineSnapshot
+    from exporter.model.whatif.simulator import REUSE_GAP_BLOCK_EDGES
+    from exporter.model.whatif.view import tier_evidence
+    from tests.model.advisor.common import base
+
+    gaps = [0] * (len(REUSE_GAP_BLOCK_EDGES) + 1)
+    gaps[4], gaps[6] = 5, 5  # half within 16 blocks computed since, all within 64
+    es = EngineSnapshot(
+        rank=0,
+        events={},
+        batches=1,
+        gpu_resident=0,
+        cpu_resident=0,
+        recomputed_tokens=0,
+        stored_tokens=0,
+        tracked_blocks=0,
+        capacities=None,
+        configured_blocks=None,
+        sim_start=None,
+        buckets=(),
+        cpu_stored=50,
+        cpu_removed=40,
+        wasted_stores=30,
+        wasted_store_tokens=480,
+        reuse_gap_blocks=tuple(gaps),
+        block_size=16,
+    )
+    d = base(kv_bytes_per_token=1000.0)
+    ev = tier_evidence(es, d)
+    assert ev is not None
+    assert (ev.dropped_chunks, ev.wasted_share, ev.wasted_bytes) == (40, 0.75, 480_000.0)
+    assert (ev.reuse_gap_bytes_half, ev.reuse_gap_bytes_most) == (16 * 16_000.0, 64 * 16_000.0)
+    unknown = tier_evidence(es, base(kv_bytes_per_token=None))
+    assert unknown is not None and unknown.wasted_bytes is None
+    assert unknown.reuse_gap_bytes_half is None and unknown.wasted_share == 0.75
+    assert tier_evidence(None, d) is None
