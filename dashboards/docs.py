@@ -82,12 +82,15 @@ interpolated linearly to 41 scrapes 15 s apart, run through the real exporter co
 backfilled with `promtool tsdb create-blocks-from openmetrics` beside the raw vLLM \
 expositions. Totals and ratios are the run's; per-second rates are not (the run took \
 about 3 s) |
-| gpu | a recorded H200 run with everything on (`tests/fixtures/gpu/small-b-graphs-long`: \
-vLLM 0.26, Qwen3-0.6B shape, 0.5 GiB native offload, CUDA graphs, KV events): the \
-exporter's own /metrics from that run every second, with its real NVML, /proc and cgroup \
-collectors, and vLLM's /metrics beside it, backfilled at their recorded times moved to now \
-(41 s, 1 s apart), so rates are the run's own. Proven with every variable on *All* and \
-narrowed to one value each |
+| gpu | two recorded H200 runs with everything on (vLLM 0.26, KV events): \
+`tests/fixtures/gpu/small-b-graphs-long` (Qwen3-0.6B shape, 0.5 GiB native offload, CUDA \
+graphs, 41 s) and `large-b` (32B shape, 1.14 GiB, 25 s). vLLM's /metrics of each run every \
+second, and the exporter's: the current exporter run over the recording (vLLM's /metrics \
+and the KV events at their recorded times, the run's exporter flags, \
+`dashboards/scenarios.py` `current_exporter`) at each scrape time of the exporter recorded \
+there, plus that recorded exporter's families that need the H200 host (NVML, /proc, cgroup \
+collectors). Backfilled at their recorded times moved to now (1 s apart), so rates are the \
+runs' own. Proven with every variable on *All* and narrowed to one value each |
 | backends | the KV transfer backends (docs/backends.md): the recorded H200 runs with vLLM \
 0.26 of the tiering spec (`tests/fixtures/gpu/small-tier`) and of the 32B shape without \
 offload (`large-a`, the prefill engine), and vLLM 0.32 tiering, SimpleCPUOffloadConnector \
@@ -100,7 +103,7 @@ Proven with every variable on *All* |
 The pictures below are drawn by `python -m dashboards.preview` (matplotlib) from the same
 Prometheus data the query test uses, every variable on *All*: each panel from a scenario
 it is proven in (named in its top right corner), laid out on Grafana's 24-column grid.
-Panels proven only by the GPU recording are drawn from it (41 s of real time). The
+Panels proven only by the GPU recordings are drawn from them (41 s of real time). The
 offload replay's time axis is synthetic (see above). Regenerate
 them after changing a dashboard: it starts a vLLM CPU server (two minutes or more).
 """
@@ -179,8 +182,9 @@ def render(selections: Sequence[Selection]) -> str:
         lines.append("")
     gpu_only = [(d, p) for d in DASHBOARDS for p in d.panels() if p.scenarios == {Scenario.GPU}]
     lines += [
-        "Panels only the GPU recording can prove (NVML, pinned memory, container limits, "
-        "offload-time fits; all proven by the `gpu` scenario): "
+        "Panels only the GPU recordings can prove (NVML, pinned memory, container limits, "
+        "offload-time fits, evidence from CPU-tier KV events; all proven by the `gpu` "
+        "scenario): "
         + "; ".join(f"{p.title} ({d.title.removeprefix('KV offload: ')})" for d, p in gpu_only)
         + ".",
         "",

@@ -25,7 +25,7 @@ from dashboards.spec import (
     on_exporter,
     rate,
 )
-from exporter.model.advisor.types import ACTION_INFO, Tone
+from exporter.model.advisor.types import ACTION_INFO, Action, Reason, Tone
 from exporter.thresholds import DEFAULT as T
 
 # Colour boundaries that are not advisor/alert thresholds (those come from
@@ -462,6 +462,131 @@ DECISION = Dashboard(
                             f"kvoffload_whatif_configured_hit_ratio{{{ENGINE}}}", "what-if " + EL
                         ),
                         Query(f"kvoffload_offload_hit_ratio{{{ENGINE}}}", "measured " + EL),
+                    ),
+                    scenarios=GPU,
+                ),
+            ),
+        ),
+        Row(
+            "Store threshold and buffer size (from KV events)",
+            (
+                Panel(
+                    key="decision.wasted_store_share",
+                    title="Dropped CPU chunks never loaded",
+                    kind="timeseries",
+                    unit="percentunit",
+                    min=0,
+                    max=1,
+                    width=12,
+                    description=(
+                        "Of the chunks the CPU tier dropped, the share no request loaded while "
+                        "they were held (medium CPU KV events, since the exporter joined the "
+                        "stream; vLLM does not export this). Above "
+                        f"{T.wasted_store_share_high:.0%} (red line), once "
+                        f"{T.min_dropped_chunks:g} chunks were dropped, the advisor recommends "
+                        "a store_threshold ('"
+                        f"{ACTION_INFO[Action.RAISE_STORE_THRESHOLD].title}', reason "
+                        f"{Reason.STORES_NEVER_LOADED}) if "
+                        "offload pays and its what-if with store_threshold 2 keeps the hit "
+                        "ratio (transfers dashboard, eviction policy row): offloading only "
+                        "prefixes seen again saves the PCIe traffic and pinned memory. Low: "
+                        "most stored chunks serve a load before they go."
+                    ),
+                    queries=(Query(f"kvoffload_offload_wasted_store_ratio{{{ENGINE}}}", EL),),
+                    steps=high_is_bad(T.wasted_store_share_high),
+                    threshold_lines=True,
+                    see_also=("kvoe-transfers",),
+                    scenarios=GPU,
+                ),
+                Panel(
+                    key="decision.wasted_store_bytes",
+                    title="CPU stores dropped unused vs all stores",
+                    kind="timeseries",
+                    unit="Bps",
+                    min=0,
+                    width=12,
+                    description=(
+                        "Bytes per second of CPU-tier chunks dropped without ever being loaded "
+                        "(KV events; counted when the chunk is dropped, so it trails the store "
+                        "by the chunk's stay in the buffer), next to all bytes stored to the "
+                        "CPU tier. This is the PCIe traffic and copy work a store_threshold "
+                        "would save. Needs the KV bytes per token (--kv-bytes-per-token or "
+                        "found by the exporter)."
+                    ),
+                    queries=(
+                        Query(
+                            "sum by (target, model_name, engine) ("
+                            + rate("kvoffload_offload_wasted_store_bytes_total")
+                            + ")",
+                            "never loaded " + EL,
+                        ),
+                        Query(
+                            "sum by (target, model_name, engine) ("
+                            + rate("kvoffload_offload_store_bytes_total")
+                            + ")",
+                            "stored " + EL,
+                        ),
+                    ),
+                    scenarios=GPU,
+                ),
+                Panel(
+                    key="decision.reuse_gap_bytes",
+                    title="Reuse gap vs CPU buffer",
+                    kind="timeseries",
+                    unit="bytes",
+                    min=0,
+                    width=16,
+                    description=(
+                        "How far back the blocks that return after a GPU eviction were "
+                        "computed, in KV bytes computed since (KV events): half and 90% of "
+                        "returns came back within these. A CPU tier that offloads every "
+                        "computed block needs about that much to still hold them (an upper "
+                        "bound, power-of-two steps). Next to the configured buffer and the "
+                        "advisor's recommendation (absent unless its advice is about the "
+                        "size): a buffer below the half line misses most returning prefixes; "
+                        "one above the 90% line holds nearly all of them."
+                    ),
+                    queries=(
+                        Query(
+                            f'kvoffload_reuse_gap_bytes{{{ENGINE}, share="0.5"}}',
+                            "half of returns within " + EL,
+                        ),
+                        Query(
+                            f'kvoffload_reuse_gap_bytes{{{ENGINE}, share="0.9"}}',
+                            "90% of returns within " + EL,
+                        ),
+                        Query(f"kvoffload_offload_buffer_bytes{{{ENGINE}}}", "configured " + EL),
+                        Query(
+                            f"kvoffload_advice_recommended_buffer_bytes{{{ENGINE}}}",
+                            "recommended " + EL,
+                        ),
+                    ),
+                    see_also=("kvoe-memory",),
+                    scenarios=GPU,
+                ),
+                Panel(
+                    key="decision.reuse_gap_seconds",
+                    title="Reuse gap in time",
+                    kind="timeseries",
+                    unit="s",
+                    min=0,
+                    width=8,
+                    description=(
+                        "Seconds from a block's GPU eviction to its return, for half and 90% "
+                        "of the returns since the exporter joined the KV event stream (upper "
+                        "bound, power-of-two steps from 0.1 s). A CPU tier keeps a stored "
+                        "chunk for about its size over the store rate ('stored' above): "
+                        "prefixes that return later than that find it gone."
+                    ),
+                    queries=(
+                        Query(
+                            f'kvoffload_reuse_gap_seconds{{{ENGINE}, share="0.5"}}',
+                            "half of returns within " + EL,
+                        ),
+                        Query(
+                            f'kvoffload_reuse_gap_seconds{{{ENGINE}, share="0.9"}}',
+                            "90% of returns within " + EL,
+                        ),
                     ),
                     scenarios=GPU,
                 ),

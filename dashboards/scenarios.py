@@ -8,11 +8,16 @@ offload  the H200 offload run (tests/fixtures/vllm-0.26.0-h200/b_offload): vLLM'
          run through the real exporter code (testbed.backfill.run_exporter) and backfilled
          with promtool next to the raw vLLM expositions. Totals and ratios are the run's;
          per-second rates are not (the run took ~3 s; the time axis is stretched).
-gpu      a recorded H200 run with everything on (tests/fixtures/gpu/small-b-graphs-long:
-         vLLM 0.26, 0.5 GiB native offload, CUDA graphs, KV events): the exporter's own
-         1 s /metrics from that run, with its real NVML, /proc and cgroup collectors, and
-         vLLM's /metrics beside it, backfilled at their recorded times (moved to now, the
-         1 s spacing kept), so rates and per-second values are the run's own.
+gpu      recorded H200 runs with everything on (tests/fixtures/gpu/small-b-graphs-long:
+         vLLM 0.26, 0.5 GiB native offload, CUDA graphs, KV events; large-b: the 32B shape
+         with 1.14 GiB): vLLM's /metrics and the exporter's, backfilled at their recorded
+         times (moved to now, the 1 s spacing kept), so rates and per-second values are the
+         runs' own. The exporter series are the current exporter's, run over each
+         recording (vLLM's /metrics and the KV events at their recorded times, the run's
+         exporter settings; no host link bandwidth or memory limit) at the recorded
+         exporter's scrape times. The recorded exporter output (an older version) adds
+         only the families the current one cannot compute without the H200 host (NVML,
+         /proc, cgroup collectors).
 backends the KV transfer backends (docs/backends.md): recorded vLLM 0.26 H200 runs (the fs
          tiering spec; the 32B shape without offload as the prefill engine beside the NIXL
          decode engines) and vLLM 0.32 tiering, simple offload and NIXL expositions plus
@@ -22,16 +27,20 @@ backends the KV transfer backends (docs/backends.md): recorded vLLM 0.26 H200 ru
 
 from __future__ import annotations
 
+import argparse
 import json
 import lzma
+import shlex
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from dashboards.spec import Scenario
+from exporter.config import Config, add_arguments, load_config
+from exporter.recording import read_kv_events
 from testbed import backfill
 from testbed.exporter_proc import ExporterProcess
 from testbed.procs import http_get
@@ -158,21 +167,101 @@ def backends(workdir: Path) -> Iterator[Data]:
 
 GPU_RUN = "small-b-graphs-long"
 GPU_EXPORTER_INSTANCE = "h200-exporter:9747"
+# The 32B run beside it: the advisor recommends a larger buffer there (grow_buffer), so the
+# reuse-gap panel shows the recommendation next to the configured buffer.
+GPU_RUN_LARGE = "large-b"
+GPU_EXPORTER_INSTANCE_LARGE = "h200-exporter-large:9747"
+GPU_RUNS_SHOWN = ((GPU_RUN, GPU_EXPORTER_INSTANCE), (GPU_RUN_LARGE, GPU_EXPORTER_INSTANCE_LARGE))
 
 
-def gpu_series(end: float, config: str = GPU_RUN) -> list[backfill.Series]:
-    """The run's exporter and vLLM scrapes, moved so the exporter's last one is at `end`."""
-    exporter = _recorded(config, "exporter")
-    vllm = _recorded(config, "vllm")
-    offset = end - exporter[-1][0]
-    # Prometheus stores milliseconds; whole-millisecond shifts keep the spacing exact.
-    offset = round(offset, 3)
-    (target,) = json.loads((GPU_RUNS / config / "exporter-full.yaml").read_text())["targets"]
-    job = "kv-offload-exporter"
+def recorded_settings(config: str) -> Config:
+    """The exporter configuration of a recorded run, read from its command line
+    (exporter_cmd.txt) and its --config file by the exporter's own option parser."""
+    argv = shlex.split((GPU_RUNS / config / "exporter_cmd.txt").read_text().splitlines()[0])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv[argv.index("exporter") + 1 :])
+    args.config = str(GPU_RUNS / config / "exporter-full.yaml")
+    return load_config(args, {})
+
+
+def _families(text: str) -> dict[str, list[str]]:
+    """An exposition's lines by family, for the families that have samples."""
+    out: dict[str, list[str]] = {}
+    name = ""
+    for line in text.splitlines():
+        if line.startswith(("# HELP ", "# TYPE ")):
+            name = line.split(" ", 3)[2]
+        if line:
+            out.setdefault(name, []).append(line)
+    return {n: lines for n, lines in out.items() if any(not x.startswith("#") for x in lines)}
+
+
+def merged(current: str, recorded: str) -> str:
+    """The current exporter's exposition, plus the recorded one's families it lacks."""
+    mine = _families(current)
+    theirs = _families(recorded)
+    lines = [x for lines in mine.values() for x in lines]
+    lines += [x for n, lines in theirs.items() if n not in mine for x in lines]
+    return "\n".join(lines) + "\n"
+
+
+def current_exporter(config: str) -> list[backfill.Scrape]:
+    """What the current exporter exports over a recorded run: vLLM's /metrics and the KV
+    events at their recorded times, with the run's exporter settings (host collectors
+    off), at each scrape time of the recorded exporter; merged with the recorded exporter's
+    families that need the host collectors (NVML, /proc, cgroup)."""
+    recorded = _recorded(config, "exporter")
+    rec = recorded_settings(config)
+    (target,) = rec.targets
+
+    def settings(cfg: Config) -> Config:
+        # The model's settings as on the H200; run_exporter's targets and collectors.
+        return replace(
+            cfg,
+            interval=rec.interval,
+            window=rec.window,
+            thresholds=rec.thresholds,
+            advice_confirm_cycles=rec.advice_confirm_cycles,
+            assumed_load_bandwidth=rec.assumed_load_bandwidth,
+            whatif_sizes=rec.whatif_sizes,
+            whatif_policy=rec.whatif_policy,
+            whatif_store_threshold=rec.whatif_store_threshold,
+            whatif_model=rec.whatif_model,
+            whatif_sample_rate=rec.whatif_sample_rate,
+        )
+
+    run = backfill.Recording(
+        target.label,
+        _recorded(config, "vllm"),
+        kv_bytes_per_token=target.kv_bytes_per_token,
+        kv_events=list(read_kv_events(GPU_RUNS / config)),
+    )
+    current = backfill.run_exporter(
+        [run], interval=rec.interval, configure=settings, times=[t for t, _ in recorded]
+    )
     return [
-        backfill.shift(backfill.Series(job, GPU_EXPORTER_INSTANCE, exporter), offset),
-        backfill.shift(backfill.Series("vllm", target["name"], vllm), offset),
+        (t, merged(now, then))
+        for (t, then), (_, now) in zip(recorded, current.scrapes, strict=True)
     ]
+
+
+def gpu_series(end: float) -> list[backfill.Series]:
+    """Each shown run's exporter and vLLM scrapes, moved so its exporter's last one is at
+    `end`: the exporter's first, then vLLM's, run after run."""
+    out = []
+    for config, instance in GPU_RUNS_SHOWN:
+        exporter = current_exporter(config)
+        vllm = _recorded(config, "vllm")
+        # Prometheus stores milliseconds; whole-millisecond shifts keep the spacing exact.
+        offset = round(end - exporter[-1][0], 3)
+        (target,) = recorded_settings(config).targets
+        job = "kv-offload-exporter"
+        out += [
+            backfill.shift(backfill.Series(job, instance, exporter), offset),
+            backfill.shift(backfill.Series("vllm", target.label, vllm), offset),
+        ]
+    return out
 
 
 @contextmanager
@@ -188,7 +277,7 @@ def gpu(workdir: Path) -> Iterator[Data]:
             start=float(int(first) - 5),
             end=end,
             scrape_interval=1.0,
-            note=f"H200 run {GPU_RUN} (vLLM 0.26, 0.5 GiB offload), recorded exporter output",
+            note=f"H200 runs {GPU_RUN} and {GPU_RUN_LARGE} (vLLM 0.26), current exporter",
         )
     finally:
         prom.stop()

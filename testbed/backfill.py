@@ -9,7 +9,11 @@ Offload cannot run on a CPU vLLM, so dashboards are proven against recorded GPU 
 - `run_exporter` runs the exporter's own code (Exporter, VllmTarget, derivations, the
   collector) in-process over recorded expositions: a ReplayServer serves each target's
   exposition for the current step and the exporter's clock is the recorded time, so
-  every windowed value is what the exporter would have exported at that moment.
+  every windowed value is what the exporter would have exported at that moment. A
+  recording's KV events (exporter/recording.py's format) reach the exporter's KV-event
+  source as its receiver would have queued them: each message at the first cycle at or
+  after its timestamp, so the what-if simulation and the evidence it rebuilds are the
+  current code's over the recorded stream.
 - `interpolate` makes a series over time from two recorded expositions (before and
   after a workload): counters and histograms move linearly from one to the other,
   series that appear only afterwards (vLLM creates offload series lazily) start from 0.
@@ -35,11 +39,21 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.sources.kv_events.source import (
+    KvEventsSettings,
+    KvEventsSnapshot,
+    KvEventsSource,
+    StreamItem,
+    StreamStats,
+)
 from testbed.prometheus import PROMTOOL, Prometheus
 from testbed.replay import ReplayServer, Reply
 
 if TYPE_CHECKING:
     from exporter.config import Config
+    from exporter.kvevents_codec import Message
+    from exporter.options import TargetConfig
+    from exporter.sources import Clock
 
 Scrape = tuple[float, str]  # (unix seconds, exposition text)
 
@@ -61,6 +75,8 @@ class Recording:
     scrapes: Sequence[Scrape]
     kv_bytes_per_token: float | None = None
     vllm_version: str = "0.26.0"
+    # The KV events the server published (exporter.recording.read_kv_events), in order.
+    kv_events: Sequence[Message] = ()
 
 
 # ----------------------------------------------------------------------------- interpolate
@@ -131,6 +147,57 @@ def evenly(texts: Sequence[str], end: float, step: float) -> list[Scrape]:
 # ----------------------------------------------------------------------------- exporter
 
 
+class RecordedKvEvents(KvEventsSource):
+    """A target's recorded KV events in place of its ZMQ stream: each collect hands over
+    the messages published up to the exporter's clock, in recording order, as the receiver
+    would have queued them (a sequence number going back on a DP rank is a publisher
+    restart, as the live receiver reads it). Nothing is lost, dropped or replayed."""
+
+    def __init__(self, target: TargetConfig, messages: Sequence[Message], clock: Clock) -> None:
+        super().__init__(target, KvEventsSettings(), clock=clock)
+        self._messages = list(messages)
+        self._next = 0
+        self._last_seq: dict[int, int] = {}
+        self._stats: dict[int, StreamStats] = {}
+        self._recorded: KvEventsSnapshot | None = None
+
+    def snapshot(self) -> KvEventsSnapshot | None:
+        return self._recorded
+
+    async def start(self) -> None:
+        self.health.started = True
+
+    async def stop(self) -> None:
+        return None
+
+    async def collect(self) -> None:
+        now = self._clock()
+        items: list[StreamItem] = []
+        while self._next < len(self._messages) and self._messages[self._next].batch.ts <= now:
+            msg = self._messages[self._next]
+            self._next += 1
+            rank = msg.batch.dp_rank if msg.batch.dp_rank is not None else 0
+            seen = self._stats.get(rank, StreamStats(0, 0, 0, 0, 0))
+            restarted = rank in self._last_seq and msg.seq < self._last_seq[rank]
+            if restarted:
+                items.append(StreamItem(rank, None))
+            self._last_seq[rank] = msg.seq
+            self._stats[rank] = replace(
+                seen, batches=seen.batches + 1, restarts=seen.restarts + int(restarted)
+            )
+            items.append(StreamItem(rank, msg))
+        decoded = self._recorded.decoded if self._recorded is not None else 0
+        self._recorded = KvEventsSnapshot(
+            streams=dict(sorted(self._stats.items())),
+            dropped=0,
+            queue_depth=0,
+            bad_frames=0,
+            bad_payloads=0,
+            decoded=decoded + sum(1 for i in items if i.message is not None),
+            items=tuple(items),
+        )
+
+
 def run_exporter(
     recordings: Sequence[Recording],
     *,
@@ -139,14 +206,17 @@ def run_exporter(
     job: str = "kv-offload-exporter",
     instance: str = "kv-offload-exporter:9747",
     configure: Callable[[Config], Config] | None = None,
+    times: Sequence[float] = (),
 ) -> Series:
-    """The exporter's exposition at every recorded timestamp, computed by its own code.
+    """The exporter's exposition at every recorded timestamp (or at `times`), computed by
+    its own code; each target serves its latest scrape at or before that time.
 
     Collectors that read this machine (NVML, /proc, cgroup) are switched off: their data
     would be this machine's, not the recording's. `configure(cfg) -> cfg` may switch them
-    back on pointed at recorded trees (path_procfs, path_cgroup, ...).
+    back on pointed at recorded trees (path_procfs, path_cgroup, ...). A recording with
+    KV events gets them through RecordedKvEvents instead of a ZMQ stream.
     """
-    return asyncio.run(_run_exporter(recordings, interval, window, job, instance, configure))
+    return asyncio.run(_run_exporter(recordings, interval, window, job, instance, configure, times))
 
 
 async def _run_exporter(
@@ -156,12 +226,13 @@ async def _run_exporter(
     job: str,
     instance: str,
     configure: Callable[[Config], Config] | None,
+    at: Sequence[float],
 ) -> Series:
     from exporter.config import Config
     from exporter.options import TargetConfig
     from exporter.runtime import Exporter, build_sources
 
-    times = sorted({ts for r in recordings for ts, _ in r.scrapes})
+    times = sorted(at) if at else sorted({ts for r in recordings for ts, _ in r.scrapes})
     now = [times[0]]
 
     def clock() -> float:
@@ -182,7 +253,14 @@ async def _run_exporter(
         cfg = replace(cfg, nvml=False, procfs=False, cgroup=False)
         if configure is not None:
             cfg = configure(cfg)
-        exp = Exporter(cfg, build_sources(cfg, clock), clock)
+        events = {r.target: r.kv_events for r in recordings if r.kv_events}
+        sources = [
+            RecordedKvEvents(s.target, events[s.label], clock)
+            if isinstance(s, KvEventsSource) and s.label in events
+            else s
+            for s in build_sources(cfg, clock)
+        ]
+        exp = Exporter(cfg, sources, clock)
         await exp.start()
         scrapes: list[Scrape] = []
         try:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dashboards import build, grafana, validate
+from dashboards import build, grafana, scenarios, validate
 from dashboards.generate import JSON_DIR, generate
 from dashboards.panels import (
     DASHBOARDS,
@@ -209,6 +209,7 @@ def test_threshold_values_come_from_thresholds_py() -> None:
     assert steps["decision.hit_ratios"] == [THRESHOLDS.offload_hit_ratio_material]
     assert steps["decision.speedup"] == [THRESHOLDS.transfer_speedup_min]
     assert steps["decision.reuse"] == [THRESHOLDS.reuse_ratio_low]
+    assert steps["decision.wasted_store_share"] == [THRESHOLDS.wasted_store_share_high]
     assert steps["decision.kv_usage"] == [THRESHOLDS.kv_usage_high, THRESHOLDS.kv_usage_critical]
     assert steps["decision.memory_usage_ratio"] == [THRESHOLDS.memory_usage_high]
     assert steps["transfers.pcie_utilization"] == [THRESHOLDS.pcie_utilization_high]
@@ -452,3 +453,39 @@ def test_openmetrics_output_is_accepted_by_promtool(promtool: str, tmp_path: Pat
     assert "# TYPE vllm:kv_offload_load_bytes counter" in om and "_created" not in om
     backfill.create_blocks(om, tmp_path / "data", promtool)
     assert any((tmp_path / "data").iterdir())
+
+
+def test_gpu_scenario_exporter_is_the_current_code_over_the_recording() -> None:
+    """At every scrape time of the recorded exporter: the current exporter's families (the
+    KV-event evidence among them, from the recorded events), and the recorded exporter's
+    families that need the H200 host (NVML here)."""
+    recorded = scenarios._recorded(scenarios.GPU_RUN, "exporter")
+    merged = scenarios.current_exporter(scenarios.GPU_RUN)
+    assert [t for t, _ in merged] == [t for t, _ in recorded]
+    first_event = min(
+        m.batch.ts for m in scenarios.read_kv_events(scenarios.GPU_RUNS / scenarios.GPU_RUN)
+    )
+    for (t, body), (_, old) in zip(merged, recorded, strict=True):
+        families = scenarios._families(body)
+        then = scenarios._families(old)
+        assert set(then) <= set(families)  # every recorded family, from one side or the other
+        rx = "kvoffload_gpu_pcie_rx_bytes_total"  # NVML: the recorded exporter's
+        assert families.get(rx) == then.get(rx)
+        samples = [line.rpartition(" ")[0] for line in body.splitlines() if line[:1] != "#"]
+        assert len(samples) == len(set(samples)), "a family came from both sides"
+        if t > first_event + 5:
+            assert rx in families
+            assert "kvoffload_offload_wasted_store_ratio" in families
+            assert "kvoffload_reuse_gap_bytes" in families
+    # the run's exporter flags: its what-if sizes and its shorter evidence window
+    settings = scenarios.recorded_settings(scenarios.GPU_RUN)
+    assert settings.whatif_sizes[0] == 134217728 and settings.thresholds.min_window_seconds == 15
+    assert settings.targets[0].kv_bytes_per_token == 114688
+
+
+def test_merged_exposition_takes_each_family_whole_from_one_side() -> None:
+    current = "# HELP a x\n# TYPE a gauge\na 1\n# HELP b x\n# TYPE b gauge\n"
+    recorded = '# TYPE a gauge\na{x="old"} 2\n# TYPE b gauge\nb 3\n# TYPE c gauge\nc 4\n'
+    assert scenarios.merged(current, recorded) == (
+        "# HELP a x\n# TYPE a gauge\na 1\n# TYPE b gauge\nb 3\n# TYPE c gauge\nc 4\n"
+    )

@@ -3,9 +3,10 @@
 Scenarios (dashboards/scenarios.py): `live` is a real vLLM CPU server with the seed
 workload, the exporter beside it and a Prometheus scraping both; `offload` is the
 recorded H200 offload run replayed through the exporter's code and backfilled with
-promtool; `gpu` is a recorded H200 run (tests/fixtures/gpu/small-b-graphs-long): the
-exporter's own output there, with real NVML, /proc and cgroup data, and vLLM's /metrics,
-backfilled at their recorded 1 s spacing.
+promtool; `gpu` is two recorded H200 runs (tests/fixtures/gpu/small-b-graphs-long, large-b):
+vLLM's /metrics, the current exporter run over each recording (its /metrics and KV events)
+and the recorded exporter's real NVML, /proc and cgroup data, backfilled at their recorded
+1 s spacing.
 
 The queries come from the committed JSON, so these tests prove what users import.
 """
@@ -24,6 +25,7 @@ from dashboards.grafana import Emulator, TargetResult
 from dashboards.panels import DASHBOARDS
 from dashboards.scenarios import Data
 from dashboards.spec import Dashboard, Panel, Scenario
+from exporter.thresholds import DEFAULT as THRESHOLDS
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
@@ -223,10 +225,74 @@ def test_gpu_scenario_is_the_recorded_run(gpu_data: Data) -> None:
         if line.startswith("kvoffload_gpu_pcie_rx_bytes_total{")
     )
     (rx,) = gpu_data.api(
-        "query", query="sum(kvoffload_gpu_pcie_rx_bytes_total)", time=str(gpu_data.end)
+        "query",
+        query=f'sum(kvoffload_gpu_pcie_rx_bytes_total{{instance="{scenarios.GPU_EXPORTER_INSTANCE}"}})',
+        time=str(gpu_data.end),
     )["result"]
     assert float(rx["value"][1]) == pytest.approx(recorded, rel=1e-9)
     assert recorded > 0
+
+
+EVIDENCE_PANELS = (
+    "decision.wasted_store_share",
+    "decision.wasted_store_bytes",
+    "decision.reuse_gap_bytes",
+    "decision.reuse_gap_seconds",
+)
+
+
+def _last(data: Data, query: str) -> dict[str, float]:
+    """target -> the query's value at the end of the scenario (one series per target)."""
+    result = data.api("query", query=query, time=str(data.end))["result"]
+    return {r["metric"]["target"]: float(r["value"][1]) for r in result}
+
+
+def test_kv_event_evidence_panels_show_every_query(gpu_data: Data) -> None:
+    """Each query of the store-threshold and buffer-size panels has data in the GPU runs
+    (the recommended buffer from large-b, where the advisor says grow_buffer)."""
+    doc = DOCS["kvoe-decision"]
+    emu = emulator(gpu_data, doc)
+    by_title = specs(DASHBOARDS_BY_UID["kvoe-decision"])
+    panels = [p for p in graph_panels(doc) if by_title[p["title"]].key in EVIDENCE_PANELS]
+    assert len(panels) == len(EVIDENCE_PANELS)
+    empty = []
+    for panel in panels:
+        results = emu.run_panel(panel, emu.all_chosen())
+        for target, result in zip(panel["targets"], results, strict=True):
+            if not result.finite_points():
+                empty.append(f"{panel['title']} {target['refId']}: {result.expr}")
+    assert not empty, "\n".join(empty)
+
+
+def test_kv_event_evidence_agrees_with_the_recorded_runs(gpu_data: Data) -> None:
+    """The evidence the current exporter rebuilt from the recorded KV events, as Prometheus
+    serves it, against what vLLM and the advisor say about the same runs."""
+    small, large = "small-b", "large-b"
+    wasted = _last(gpu_data, "kvoffload_offload_wasted_store_bytes_total")
+    stored = _last(
+        gpu_data,
+        'label_replace(vllm:kv_offload_store_bytes_total, "target", "$1", "instance", "(.*)")',
+    )
+    for target in (small, large):
+        # never more dropped unused than vLLM says it stored, and a good part of it
+        assert 0.5 * stored[target] < wasted[target] <= stored[target]
+    share = _last(gpu_data, "kvoffload_offload_wasted_store_ratio")
+    assert share[small] > THRESHOLDS.wasted_store_share_high
+    buffer = _last(gpu_data, "kvoffload_offload_buffer_bytes")
+    half = _last(gpu_data, 'kvoffload_reuse_gap_bytes{share="0.5"}')
+    most = _last(gpu_data, 'kvoffload_reuse_gap_bytes{share="0.9"}')
+    for target in (small, large):
+        # returning prefixes were computed further back than the configured buffer reaches
+        assert buffer[target] < half[target] <= most[target]
+    recommended = _last(gpu_data, "kvoffload_advice_recommended_buffer_bytes")
+    assert set(recommended) == {large}
+    assert buffer[large] < recommended[large]
+    # the latest advice (backfilled series have no staleness markers: earlier ones linger)
+    query = f'last_over_time(kvoffload_advice_info{{target="{large}"}}[2s])'
+    (advice,) = gpu_data.api("query", query=query, time=str(gpu_data.end))["result"]
+    assert advice["metric"]["action"] == "grow_buffer"
+    seconds = _last(gpu_data, 'kvoffload_reuse_gap_seconds{share="0.9"}')
+    assert set(seconds) == {small, large} and all(s > 0 for s in seconds.values())
 
 
 def test_previews_render_from_the_same_data(
