@@ -21,6 +21,7 @@ from exporter.config import Config
 from exporter.derive import DeriveSettings, EngineDerived, derive_target
 from exporter.exposition import Exposition
 from exporter.logs import log_event
+from exporter.model.history import History, cycle_points
 from exporter.sources import Clock, Source, execute
 from exporter.sources.cgroup import CgroupSource
 from exporter.sources.kv_events import kv_event_sources
@@ -86,6 +87,8 @@ class Exporter:
         self.derived: dict[str, list[EngineDerived]] = {}
         self.advisor = Advisor(cfg.thresholds, confirm=cfg.advice_confirm_cycles)
         self.advice: dict[str, list[tuple[EngineKey, Advice]]] = {}
+        self.inputs: dict[tuple[str, EngineKey], AdvisorInput] = {}  # each advice's input
+        self.history = History(cfg.window)  # per-cycle values for the status page
         self.exposition: Exposition = render(self_families(cfg.window, self.sources))
         self.cycles = 0
         self.last_cycle: float | None = None
@@ -143,6 +146,7 @@ class Exporter:
         self.exposition = render(self.families())
         self.cycles += 1
         self.last_cycle = now
+        self.history.record(now, cycle_points(now, self.advice, self.inputs))
 
     def _hook(self, name: str, *args: object) -> object | None:
         """First non-None answer of a source hook (duck-typed: not every source has it)."""
@@ -156,6 +160,7 @@ class Exporter:
         pcie = self._hook("pcie_utilization")
         present: set[tuple[str, EngineKey]] = set()
         out: dict[str, list[tuple[EngineKey, Advice]]] = {}
+        inputs: dict[tuple[str, EngineKey], AdvisorInput] = {}
         for t in self.targets:
             label = t.config.label
             memory = self._hook("memory_state", label)
@@ -179,6 +184,7 @@ class Exporter:
                     ),
                 )
                 advice = self.advisor.update(label, inp)
+                inputs[(label, d.key)] = inp
                 out.setdefault(label, []).append((d.key, advice))
                 for src in self.sources:
                     # The policy what-if of an engine without offload runs at this size.
@@ -188,6 +194,7 @@ class Exporter:
                 present.add((label, d.key))
         self.advisor.forget_missing(present)
         self.advice = out
+        self.inputs = inputs
 
     def families(self) -> list[Family]:
         out = list(self_families(self.cfg.window, self.sources))

@@ -1,0 +1,1 @@
+"""Pure model values: no sockets, threads, files or clock."""

@@ -1,0 +1,1 @@
+"""Rendering: HTML, SVG and text from typed view values (pure)."""
