@@ -129,6 +129,7 @@ NUMBER_LABELS = {
     "recompute_tokens_per_second": ("marginal recompute", "tokens/s"),
     "transfer_tokens_per_second": ("reload", "tokens/s"),
     "transfer_speedup_ratio": ("reload / recompute speed", "x"),
+    "transfer_rate_estimated": ("reload rate estimated, not measured", "bool"),
     "measured_saving_seconds_per_loaded_token": ("TTFT saved per loaded token", "us"),
     "offload_buffer_bytes": ("configured CPU buffer", "bytes"),
     "affordable_buffer_bytes": ("largest affordable buffer", "bytes"),
@@ -199,6 +200,8 @@ def fmt_number(key: str, v: float) -> tuple[str, str]:
         text = f"{v:,.0f} s"
     elif kind == "x":
         text = f"{v:,.2f}x"
+    elif kind == "bool":
+        text = "yes" if v else "no"
     elif kind == "us":
         text = f"{v * 1e6:,.2f} us"
     else:
