@@ -238,6 +238,17 @@ def _curve_marks(card: Card) -> list[tuple[float, str]]:
     return out
 
 
+def _tags(card: Card, size: float) -> list[str]:
+    """Which of the configured and recommended sizes a curve point is: the closest point
+    within 0.1% (a flag of 1.14286 GiB is simulated as whole blocks)."""
+    out = []
+    for mark, name in _curve_marks(card):
+        best = min(card.curve, key=lambda p: abs(p.size_bytes - mark))
+        if best.size_bytes == size and abs(size - mark) <= 1e-3 * mark:
+            out.append(name)
+    return out
+
+
 # ------------------------------------------------------------------------------ terminal
 
 
@@ -263,14 +274,14 @@ def render_text(card: Card, now: float | None = None, width: int = 96) -> str:
         )
     if card.curve:
         lines.append("  what-if: CPU buffer -> predicted offload hit ratio, prefill time saved")
-        marks = dict(_curve_marks(card))
         for p in card.curve:
             saved = (
                 f"{p.ttft_saved_seconds_per_second:8.4f} s/s"
                 if p.ttft_saved_seconds_per_second is not None
                 else "       n/a"
             )
-            tag = f"  <- {marks[p.size_bytes]}" if p.size_bytes in marks else ""
+            tags = _tags(card, p.size_bytes)
+            tag = f"  <- {', '.join(tags)}" if tags else ""
             lines.append(
                 f"    {fmt_bytes(p.size_bytes):>10s}  {fmt_ratio(p.hit_ratio):>7s}  {saved}{tag}"
             )
@@ -331,7 +342,7 @@ vertical-align:middle}
 .key.mark{border-color:var(--mark);border-top-style:dotted}
 .key.recommended{border-color:var(--rec)}.key.configured{border-color:var(--cfg);
 border-top-style:dashed}
-.nodata{color:var(--mute);font-style:italic}
+.nodata{color:var(--mute);font-style:italic}.latest{color:var(--mute)}
 p.nodata{margin:2.5rem 0;text-align:center}
 table{border-collapse:collapse;font-size:.85rem}
 td,th{padding:.15rem .6rem;border-bottom:1px solid var(--line);text-align:right}
@@ -396,13 +407,13 @@ def _curve_figure(card: Card) -> str:
         marks=marks,
         x_ticks=sizes,
         dots=True,
-        width=560,
-        height=190,
+        width=760,
+        height=210,
     )
     rows = "".join(
         f"<tr><td>{escape(fmt_bytes(p.size_bytes))}</td><td>{escape(fmt_ratio(p.hit_ratio))}</td>"
         f"<td>{_saved(p.ttft_saved_seconds_per_second)}</td>"
-        f"<td>{escape(', '.join(n for s, n in _curve_marks(card) if s == p.size_bytes))}</td></tr>"
+        f"<td>{escape(', '.join(_tags(card, p.size_bytes)))}</td></tr>"
         for p in card.curve
     )
     table = (
@@ -442,7 +453,7 @@ def _chart_figure(c: Chart, t0: float, t1: float) -> str:
         marks=c.marks,
         x_ticks=(t0, (t0 + t1) / 2, t1),
     )
-    return f'<figure class="series">{head}{svg}{legend(c.lines, c.marks)}</figure>'
+    return f'<figure class="series">{head}{svg}{legend(c.lines, c.marks, y_fmt)}</figure>'
 
 
 def _card_html(card: Card, now: float) -> str:

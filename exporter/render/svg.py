@@ -139,10 +139,15 @@ def chart(
             f'<text class="tick" x="{PAD_L - 4}" y="{yy + 3:.1f}" text-anchor="end">'
             f"{escape(y_fmt(t))}</text>"
         )
+    drawn: list[float] = []
     for t in x.ticks(3) if x_ticks is None else x_ticks:
         xx = px(t)
+        if any(abs(xx - d) < 44 for d in drawn):
+            continue  # labels would overlap
+        drawn.append(xx)
+        anchor = "start" if xx - PAD_L < 20 else "end" if width - PAD_R - xx < 20 else "middle"
         out.append(
-            f'<text class="tick" x="{xx:.1f}" y="{height - 6}" text-anchor="middle">'
+            f'<text class="tick" x="{xx:.1f}" y="{height - 6}" text-anchor="{anchor}">'
             f"{escape(x_fmt(t))}</text>"
         )
     out.append(
@@ -183,11 +188,16 @@ def chart(
     return "".join(out)
 
 
-def legend(lines: Sequence[Line], marks: Sequence[Mark] = ()) -> str:
-    """An HTML list naming each series (and saying "no data" for an empty one)."""
+def legend(lines: Sequence[Line], marks: Sequence[Mark] = (), fmt: Fmt | None = None) -> str:
+    """An HTML list naming each series with its latest value (`fmt`), or "no data"."""
     items = []
     for i, line in enumerate(lines):
-        missing = "" if line.points else ' <span class="nodata">no data</span>'
+        if not line.points:
+            missing = ' <span class="nodata">no data</span>'
+        elif fmt is not None:
+            missing = f' <span class="latest">{escape(fmt(line.points[-1][1]))}</span>'
+        else:
+            missing = ""
         items.append(
             f'<li><span class="key s{i % 4}{" dashed" if line.dashed else ""}"></span>'
             f"{escape(line.label)}{missing}</li>"
