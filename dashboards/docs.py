@@ -82,11 +82,13 @@ interpolated linearly to 41 scrapes 15 s apart, run through the real exporter co
 backfilled with `promtool tsdb create-blocks-from openmetrics` beside the raw vLLM \
 expositions. Totals and ratios are the run's; per-second rates are not (the run took \
 about 3 s) |
-| gpu | a recorded H200 run with everything on (`tests/fixtures/gpu/small-b-graphs-long`: \
-vLLM 0.26, Qwen3-0.6B shape, 0.5 GiB native offload, CUDA graphs, KV events): the \
-exporter's own /metrics from that run every second, with its real NVML, /proc and cgroup \
-collectors, and vLLM's /metrics beside it, backfilled at their recorded times moved to now \
-(41 s, 1 s apart), so rates are the run's own. Proven with every variable on *All* and \
+| gpu | two recorded H200 runs with everything on (`tests/fixtures/gpu/small-b-graphs-long`: \
+vLLM 0.26, Qwen3-0.6B shape, 0.5 GiB native offload, CUDA graphs, KV events, the policy \
+what-if; `tests/fixtures/gpu/large-b`: the Qwen3-32B shape with 1.14 GiB, whose live advice \
+ends decided, `grow_buffer`, which the decision panels' preview shows): each exporter's own \
+/metrics from its run every second, with its real NVML, /proc and cgroup collectors, and \
+vLLM's /metrics beside it, backfilled at their recorded times moved to now (41 s and 25 s, \
+1 s apart), so rates are the runs' own. Proven with every variable on *All* and \
 narrowed to one value each |
 | backends | the KV transfer backends (docs/backends.md): the recorded H200 runs with vLLM \
 0.26 of the tiering spec (`tests/fixtures/gpu/small-tier`) and of the 32B shape without \

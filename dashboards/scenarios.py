@@ -8,11 +8,13 @@ offload  the H200 offload run (tests/fixtures/vllm-0.26.0-h200/b_offload): vLLM'
          run through the real exporter code (testbed.backfill.run_exporter) and backfilled
          with promtool next to the raw vLLM expositions. Totals and ratios are the run's;
          per-second rates are not (the run took ~3 s; the time axis is stretched).
-gpu      a recorded H200 run with everything on (tests/fixtures/gpu/small-b-graphs-long:
-         vLLM 0.26, 0.5 GiB native offload, CUDA graphs, KV events): the exporter's own
-         1 s /metrics from that run, with its real NVML, /proc and cgroup collectors, and
-         vLLM's /metrics beside it, backfilled at their recorded times (moved to now, the
-         1 s spacing kept), so rates and per-second values are the run's own.
+gpu      two recorded H200 runs with everything on (tests/fixtures/gpu/small-b-graphs-long:
+         vLLM 0.26, 0.5 GiB native offload, CUDA graphs, KV events, policy what-if; and
+         large-b: the 32B shape with 1.14 GiB, whose live advice ends decided, grow_buffer,
+         the decision panels' preview): each exporter's own 1 s /metrics from its run, with
+         real NVML, /proc and cgroup collectors, and vLLM's /metrics beside it, backfilled at
+         their recorded times (moved to now, the 1 s spacing kept), so rates and per-second
+         values are the runs' own.
 backends the KV transfer backends (docs/backends.md): recorded vLLM 0.26 H200 runs (the fs
          tiering spec; the 32B shape without offload as the prefill engine beside the NIXL
          decode engines) and vLLM 0.32 tiering, simple offload and NIXL expositions plus
@@ -157,7 +159,14 @@ def backends(workdir: Path) -> Iterator[Data]:
 
 
 GPU_RUN = "small-b-graphs-long"
+# A second run whose live exporter decided (grow_buffer at the end): the decision panels'
+# preview shows a decided engine from recorded data.
+GPU_DECIDED_RUN = "large-b"
 GPU_EXPORTER_INSTANCE = "h200-exporter:9747"
+GPU_INSTANCES = {GPU_RUN: GPU_EXPORTER_INSTANCE, GPU_DECIDED_RUN: "h200-exporter-32b:9747"}
+# Each run is its own exporter deployment (its own scrape job): the 32B run predates the
+# policy what-if, so its panels are not expected to have data there.
+GPU_JOBS = {GPU_RUN: "kv-offload-exporter", GPU_DECIDED_RUN: "kv-offload-exporter-32b"}
 
 
 def gpu_series(end: float, config: str = GPU_RUN) -> list[backfill.Series]:
@@ -168,9 +177,8 @@ def gpu_series(end: float, config: str = GPU_RUN) -> list[backfill.Series]:
     # Prometheus stores milliseconds; whole-millisecond shifts keep the spacing exact.
     offset = round(offset, 3)
     (target,) = json.loads((GPU_RUNS / config / "exporter-full.yaml").read_text())["targets"]
-    job = "kv-offload-exporter"
     return [
-        backfill.shift(backfill.Series(job, GPU_EXPORTER_INSTANCE, exporter), offset),
+        backfill.shift(backfill.Series(GPU_JOBS[config], GPU_INSTANCES[config], exporter), offset),
         backfill.shift(backfill.Series("vllm", target["name"], vllm), offset),
     ]
 
@@ -178,8 +186,9 @@ def gpu_series(end: float, config: str = GPU_RUN) -> list[backfill.Series]:
 @contextmanager
 def gpu(workdir: Path) -> Iterator[Data]:
     end = backfill.recent_end()
-    series = gpu_series(end)
-    prom = backfill.backfilled_prometheus(workdir, series)
+    series = gpu_series(end) + gpu_series(end, GPU_DECIDED_RUN)
+    # 1 s scrapes: a series gone for 3 s is stale, as a scraping Prometheus would mark it.
+    prom = backfill.backfilled_prometheus(workdir, series, lookback=3.0)
     first = min(ts for s in series for ts, _ in s.scrapes)
     try:
         yield Data(
@@ -188,7 +197,7 @@ def gpu(workdir: Path) -> Iterator[Data]:
             start=float(int(first) - 5),
             end=end,
             scrape_interval=1.0,
-            note=f"H200 run {GPU_RUN} (vLLM 0.26, 0.5 GiB offload), recorded exporter output",
+            note=f"H200 runs {GPU_RUN} and {GPU_DECIDED_RUN} (vLLM 0.26), recorded exporter output",
         )
     finally:
         prom.stop()

@@ -142,9 +142,11 @@ def cmd_advise(argv: Sequence[str]) -> int:
     if not items:
         print("no advice yet: no vLLM target has been scraped successfully")
         return 0
+    # "since ... ago" against the exporter's clock (its last cycle), not this machine's.
+    now = status.get("last_cycle")
     for item in items:
         print()
-        print(render_text(card_from_json(item)))
+        print(render_text(card_from_json(item), now=now if isinstance(now, float) else None))
     return 0
 
 

@@ -295,14 +295,15 @@ def _run(
         _print_alert(path, alert)
     else:
         _say(f"\n{decided['action']} raises no alert (alerts/rules.yml)")
-    stop_load.set()
+    if not args.keep:
+        stop_load.set()
     _say(f"\ndone in {time.monotonic() - t_start:.0f} s")
     _say(
         f"look at: {exporter.url}/ (status page), {exporter.url}/advice, "
         f"`kv-offload-exporter advise --url {exporter.url}`, {prom.url}/alerts, {am.url}"
     )
     if args.keep:
-        _say(f"vLLM {vllm.url}; logs in {work}")
+        _say(f"vLLM {vllm.url}; logs in {work}; the workload keeps running")
     return 0
 
 

@@ -3,9 +3,9 @@
 Scenarios (dashboards/scenarios.py): `live` is a real vLLM CPU server with the seed
 workload, the exporter beside it and a Prometheus scraping both; `offload` is the
 recorded H200 offload run replayed through the exporter's code and backfilled with
-promtool; `gpu` is a recorded H200 run (tests/fixtures/gpu/small-b-graphs-long): the
-exporter's own output there, with real NVML, /proc and cgroup data, and vLLM's /metrics,
-backfilled at their recorded 1 s spacing.
+promtool; `gpu` is two recorded H200 runs (tests/fixtures/gpu/small-b-graphs-long and
+large-b): each exporter's own output there, with real NVML, /proc and cgroup data, and
+vLLM's /metrics, backfilled at their recorded 1 s spacing.
 
 The queries come from the committed JSON, so these tests prove what users import.
 """
@@ -223,10 +223,21 @@ def test_gpu_scenario_is_the_recorded_run(gpu_data: Data) -> None:
         if line.startswith("kvoffload_gpu_pcie_rx_bytes_total{")
     )
     (rx,) = gpu_data.api(
-        "query", query="sum(kvoffload_gpu_pcie_rx_bytes_total)", time=str(gpu_data.end)
+        "query",
+        query=f'sum(kvoffload_gpu_pcie_rx_bytes_total{{instance="{scenarios.GPU_EXPORTER_INSTANCE}"}})',
+        time=str(gpu_data.end),
     )["result"]
     assert float(rx["value"][1]) == pytest.approx(recorded, rel=1e-9)
     assert recorded > 0
+
+
+def test_gpu_scenario_holds_a_decided_engine(gpu_data: Data) -> None:
+    """The decision panels' preview: the recorded 32B run's live advice was grow_buffer."""
+    result = gpu_data.api("query", query="kvoffload_advice_info == 1", time=str(gpu_data.end))[
+        "result"
+    ]
+    actions = {r["metric"]["target"]: r["metric"]["action"] for r in result}
+    assert actions[scenarios.GPU_DECIDED_RUN] == "grow_buffer"
 
 
 def test_previews_render_from_the_same_data(
