@@ -220,7 +220,8 @@ def _run(
     _say(
         f"exporter {exporter.url} (KV events bound at {kv_endpoint}), Prometheus {prom.url} "
         f"(alerts/rules.yml, 'for: 30m' shortened to {DEMO_FOR_SECONDS:g} s), "
-        f"Alertmanager {am.url} (alerts/alertmanager.yml, webhooks -> {receiver.url})"
+        f"Alertmanager {am.url} (alerts/alertmanager.yml, group waits 1 s, webhooks -> "
+        f"{receiver.url})"
     )
     _say(
         f"no GPU here, so the reload rate is an assumption: --assumed-load-bandwidth "
