@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 from exporter.cli import main
 from testbed.browser import served_replay
@@ -31,11 +30,10 @@ async def test_advise_json_is_the_advice_document(capsys) -> None:
     assert doc["advice"][0]["action"] == "grow_buffer" and doc["advice"][0]["whatif"]
 
 
-def test_advise_on_a_dead_url_says_so_quickly(capsys) -> None:
+def test_advise_on_a_dead_url_says_so(capsys) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
     rc = main(["advise", "--url", url, "--timeout", "2"])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
     assert rc == 1
-    assert f"no answer from an exporter at {url}" in err and "refused" in err
-    assert time.monotonic() - t0 < 10
+    assert f"no answer from an exporter at {url}" in captured.err and "refused" in captured.err
+    assert captured.out == ""

@@ -126,9 +126,7 @@ def test_demo_ends_with_advice_and_alert_then_sigterm_stops_everything() -> None
     need(VLLM_PYTHON.exists(), f"vLLM CPU ({VLLM_PYTHON})")
     demo = Demo("--keep")
     try:
-        t0 = time.monotonic()
-        demo.wait_for("running; Ctrl-C", timeout=360)
-        assert time.monotonic() - t0 < 360
+        demo.wait_for("running; Ctrl-C", timeout=360)  # the 6 minutes of the issue
         out = "".join(demo.lines)
         assert "advice in ~" in out  # the progress line
         assert "what-if: CPU buffer -> predicted offload hit ratio" in out
