@@ -342,3 +342,12 @@ def test_hysteresis_does_not_delay_oom_risk():
     adv.update("t", inp(base(**ON)))
     mem = MemoryState(limit_bytes=16 * GIB, usage_bytes=15.5 * GIB, pool_bytes=1 * GIB)
     assert adv.update("t", inp(base(**ON), memory=mem)).action == Action.REDUCE_BUFFER_OOM_RISK
+
+
+def test_sizes_below_a_gib_are_written_in_mib() -> None:
+    # The demo's tiny model is advised a 32 MiB tier: "0.03 GiB" would read as a rounding.
+    curve = (WhatIfPoint(16 << 20, 0.3), WhatIfPoint(32 << 20, 0.6))
+    a = evaluate(inp(base(), whatif=WhatIfState(curve, recomputed_after_eviction_tokens=7e4)))
+    assert a.action == Action.ENABLE_OFFLOAD
+    assert "a CPU tier of 32 MiB would have served 60.0%" in a.explanation
+    assert "--kv-offloading-size 0.03125" in a.explanation
