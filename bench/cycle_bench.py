@@ -7,7 +7,7 @@ so the exporter process's CPU time (time.process_time) is the exporter's own wor
 client, parsing, window update, derivations, advice, rendering, and the /proc and cgroup
 collectors (they run in worker threads; each target's /proc source finds the corpus server
 by its port, as it finds vLLM). With `--nvml fake` (default) the NVML collector reads the
-recorded H200 sequence (tests/test_nvml.py) with its poller thread running; that thread's
+recorded H200 sequence (tests/nvml_doubles.py) with its poller thread running; that thread's
 own CPU clock is subtracted from the cycle and reported on its own line (its cost depends
 on the poll interval, not on the cycle: bench/nvml_poller_cost.py). Baseline, same run: the
 same cycle with prometheus_client's text parser in place of the exporter's targeted parser.

@@ -8,7 +8,7 @@ achieved polls per second and the longest gap between counter reads.
     python bench/nvml_poller_cost.py --fake          # H200 recordings, no GPU needed
     python bench/nvml_poller_cost.py --interval 0.005 --seconds 10 --json
 
-With --fake the NVML calls are the recorded-sequence fake from tests/test_nvml.py, so the
+With --fake the NVML calls are the recorded-sequence fake from tests/nvml_doubles.py, so the
 number is the Python side only (a real field-value call also spends ~0.36 ms in the
 driver on an H200). A benchmark, not a test: it prints numbers and asserts nothing.
 """

@@ -181,7 +181,9 @@ DECISION = Dashboard(
                     mappings=ACTION_MAPPINGS,
                     hidden_columns=("Time", "Value"),
                     runbooks=("OffloadRecommended", "OffloadNotPayingOff", "OffloadBufferTooSmall"),
-                    scenarios=BOTH,
+                    # The recorded H200 run ends decided (grow_buffer): the preview shows it.
+                    preview=Scenario.GPU,
+                    scenarios=BOTH | GPU,
                 ),
                 Panel(
                     key="decision.buffer",
@@ -208,7 +210,8 @@ DECISION = Dashboard(
                             instant=True,
                         ),
                     ),
-                    scenarios=OFFLOAD,
+                    preview=Scenario.GPU,
+                    scenarios=OFFLOAD | GPU,
                 ),
                 Panel(
                     key="decision.enabled",

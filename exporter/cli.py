@@ -14,7 +14,6 @@ import contextlib
 import logging
 import signal
 import sys
-import textwrap
 from collections.abc import Sequence
 
 from exporter import __version__
@@ -87,52 +86,68 @@ def cmd_serve(argv: Sequence[str]) -> int:
     return asyncio.run(_serve_async(args))
 
 
+def _get_json(url: str, timeout: float) -> object:
+    """GET a JSON document; OSError (refused, timeout, HTTP error) or ValueError (not JSON)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read(8 << 20))
+
+
 def cmd_advise(argv: Sequence[str]) -> int:
     import json
-    import urllib.error
-    import urllib.request
+
+    from exporter.render.status_page import card_from_json, render_text
 
     parser = argparse.ArgumentParser(
         prog="kv-offload-exporter advise",
-        description="Print the running exporter's advice (its /advice endpoint) in a terminal.",
+        description="Print a running exporter's advice in a terminal: per engine the card "
+        "of its status page (action, reason, configured and recommended CPU buffer, since "
+        "when, pending change, the explanation, the what-if curve and the numbers).",
     )
     parser.add_argument("--url", default="http://127.0.0.1:9747", help="exporter base URL")
-    parser.add_argument("--json", action="store_true", help="print the raw JSON")
-    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--json", action="store_true", help="print the raw /advice JSON")
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for each answer"
+    )
     args = parser.parse_args(argv)
-    url = args.url.rstrip("/") + "/advice"
+    base = args.url.rstrip("/")
     try:
-        with urllib.request.urlopen(url, timeout=args.timeout) as resp:
-            doc = json.loads(resp.read())
+        doc = _get_json(base + "/advice", args.timeout)
+        status = _get_json(base + "/api/v1/status", args.timeout)
     except (OSError, ValueError) as exc:
-        print(f"kv-offload-exporter advise: cannot read {url}: {exc}", file=sys.stderr)
+        reason = getattr(exc, "reason", None) or exc
+        print(
+            f"kv-offload-exporter advise: no answer from an exporter at {base} ({reason}); "
+            "is it running, and is --url its address (default port 9747)?",
+            file=sys.stderr,
+        )
+        return 1
+    if not isinstance(doc, dict) or not isinstance(status, dict):
+        print(
+            f"kv-offload-exporter advise: {base} did not answer like an exporter", file=sys.stderr
+        )
         return 1
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
+    print(
+        f"kv-offload-exporter {doc.get('version', '?')} at {base}: window "
+        f"{status.get('window_seconds', 0):g} s, {status.get('cycles', 0)} cycles"
+    )
+    for t in status.get("targets", []):
+        state = "up" if t.get("up") else f"down ({t.get('error_kind')}: {t.get('error')})"
+        print(f"  target {t.get('target')} ({t.get('url')}): {state}")
     items = doc.get("advice", [])
     if not items:
-        print("no advice yet: the exporter has not completed a collection cycle with data")
+        print("no advice yet: no vLLM target has been scraped successfully")
         return 0
+    # "since ... ago" against the exporter's clock (its last cycle), not this machine's.
+    now = status.get("last_cycle")
     for item in items:
-        print(f"{item['target']}  {item['model_name']}  engine {item['engine']}")
-        line = f"  action: {item['action']}  ({item['reason']})"
-        if item.get("recommended_buffer_bytes") is not None:
-            line += (
-                f"  recommended --kv-offloading-size {item['recommended_buffer_bytes'] / 2**30:g}"
-            )
-        if item.get("pending_action"):
-            line += f"  [pending: {item['pending_action']}]"
-        print(line)
-        print(
-            textwrap.fill(
-                item["explanation"], width=96, initial_indent="  ", subsequent_indent="  "
-            )
-        )
-        shown = {k: v for k, v in item["numbers"].items() if v is not None}
-        for key, value in shown.items():
-            print(f"    {key:44s} {value:,.6g}")
         print()
+        print(render_text(card_from_json(item), now=now if isinstance(now, float) else None))
     return 0
 
 

@@ -19,8 +19,9 @@ from exporter import __version__
 from exporter.catalogue import Family
 from exporter.config import Config
 from exporter.logs import log_event
-from exporter.model.advisor.types import Advice, MemoryState
+from exporter.model.advisor.types import Advice, AdvisorInput, MemoryState
 from exporter.model.derive.engines import DeriveSettings, EngineDerived
+from exporter.model.history import History, cycle_points
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.pipeline import CycleResult, Pipeline
 from exporter.model.whatif.engine import WhatIfSettings
@@ -208,6 +209,7 @@ class Exporter:
         }
         self._meta: dict[str, dict[str, object]] = {}
         self.result = CycleResult(0.0, ())
+        self.history = History(cfg.window)  # per-cycle values for the status page
         self.exposition = Exposition(self._self_families())
         self.cycles = 0
         self.last_cycle: float | None = None
@@ -278,7 +280,7 @@ class Exporter:
                 else:
                     ts.cgroup.follow(snap.root_pid, snap.unreclaimable_bytes())
 
-    def inputs(self, now: float) -> CycleInputs:
+    def cycle_inputs(self, now: float) -> CycleInputs:
         """This cycle's CycleInputs, from the sources' snapshots."""
         reading = self.nvml.snapshot() if self.nvml is not None else None
         link = reading.link_bandwidth if reading is not None else None
@@ -314,7 +316,8 @@ class Exporter:
         timeout = self.cfg.effective_scrape_timeout
         await asyncio.gather(*(execute(src, timeout, self.timer) for src in self.sources))
         now = self.clock()
-        self.result = self.pipeline.step(self.inputs(now))
+        self.result = self.pipeline.step(self.cycle_inputs(now))
+        self.history.record(now, cycle_points(now, self.advice, self.inputs))
         self.exposition = Exposition(self.families())
         if self.recorders:
             await asyncio.to_thread(self._record, now)
@@ -328,6 +331,11 @@ class Exporter:
     @property
     def advice(self) -> dict[str, list[tuple[EngineKey, Advice]]]:
         return self.result.advice()
+
+    @property
+    def inputs(self) -> dict[tuple[str, EngineKey], AdvisorInput]:
+        """What the advisor saw for each engine in the last cycle."""
+        return self.result.inputs()
 
     def _self_families(self) -> list[Family]:
         states = [s.health.state() for s in self.sources if not isinstance(s, VllmTarget)]

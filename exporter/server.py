@@ -6,7 +6,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import html
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -16,9 +15,10 @@ from aiohttp import web
 from exporter import __version__
 from exporter.logs import log_event
 from exporter.model.derive.engines import EngineDerived
-from exporter.render.advice_json import advice_json
 from exporter.render.exposition import OPENMETRICS, TEXT
+from exporter.render.status_page import render_html
 from exporter.runtime import Exporter
+from exporter.status import advice_items, status_view
 from exporter.webconfig import BasicAuth, TokenBucket, WebConfig, load_web_config, peer_sans
 
 log = logging.getLogger("kvoe.server")
@@ -141,12 +141,7 @@ def _runtime_json() -> dict[str, Any]:
 
 
 def advice_doc(exp: Exporter) -> dict[str, Any]:
-    th = exp.cfg.thresholds
-    items = [
-        advice_json(target, key, advice, th)
-        for target, pairs in exp.advice.items()
-        for key, advice in pairs
-    ]
+    items = advice_items(exp)  # advice_json() plus what the status page's card shows
     return {"version": __version__, "cycles": exp.cycles, "advice": items}
 
 
@@ -158,74 +153,10 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(status_json(request.app[EXPORTER_KEY]))
 
 
-def _fmt(value: float | None, kind: str = "ratio") -> str:
-    if value is None:
-        return "&mdash;"
-    if kind == "ratio":
-        return f"{value:.3f}"
-    if kind == "bytes":
-        return f"{value / (1 << 30):.2f} GiB"
-    return f"{value:,.0f}"
-
-
 async def index(request: web.Request) -> web.Response:
     exp = request.app[EXPORTER_KEY]
-    rows = []
-    for t in exp.targets:
-        h = t.health
-        state = (
-            "up"
-            if h.up
-            else f"down ({html.escape(str(h.error_kind))}: {html.escape(h.error or '')})"
-        )
-        rows.append(
-            f"<h2>{html.escape(t.config.label)}</h2><p>{html.escape(t.config.url)}"
-            f" &mdash; {state}; vLLM {html.escape(t.version or 'unknown')}</p>"
-        )
-        rows.append(
-            "<table><tr><th>model</th><th>engine</th><th>offload</th>"
-            "<th>KV usage</th><th>GPU prefix hit</th><th>offload hit</th>"
-            "<th>reuse</th><th>recompute tok/s</th><th>transfer tok/s</th>"
-            "<th>speedup</th></tr>"
-        )
-        for d in exp.derived.get(t.config.label, []):
-            offload = "on, " + _fmt(d.offload_buffer_bytes, "bytes") if d.offload_enabled else "off"
-            rows.append(
-                f"<tr><td>{html.escape(d.key.model_name)}</td><td>{html.escape(d.key.engine)}</td>"
-                f"<td>{offload}</td><td>{_fmt(d.kv_usage)}</td><td>{_fmt(d.gpu_prefix_hit_ratio)}</td>"
-                f"<td>{_fmt(d.offload_hit_ratio)}</td><td>{_fmt(d.reuse_ratio)}</td>"
-                f"<td>{_fmt(d.recompute_tokens_per_second, 'n')}</td>"
-                f"<td>{_fmt(d.transfer_tokens_per_second, 'n')}</td>"
-                f"<td>{_fmt(d.transfer_speedup)}</td></tr>"
-            )
-        rows.append("</table>")
-        for key, adv in exp.advice.get(t.config.label, []):
-            rows.append(
-                f"<p><b>{html.escape(key.model_name)}/{html.escape(key.engine)}: "
-                f"{html.escape(str(adv.action))}</b> ({html.escape(adv.reason)}) &mdash; "
-                f"{html.escape(adv.explanation)}</p>"
-            )
-    cols = "".join(
-        f"<li>{html.escape(s.name)}: {'up' if s.health.up else 'down'}"
-        f"{' &mdash; ' + html.escape(s.health.error or '') if s.health.error else ''}</li>"
-        for s in exp.sources
-        if s not in exp.targets
-    )
-    body = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>kv-offload-exporter</title>"
-        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em .6em;"
-        "border-bottom:1px solid #ddd;text-align:right}</style></head><body>"
-        f"<h1>kv-offload-exporter {html.escape(__version__)}</h1>"
-        "<p><a href='/metrics'>/metrics</a> &middot; <a href='/advice'>advice JSON</a> &middot; "
-        "<a href='/api/v1/status'>status JSON</a>"
-        " &middot; <a href='/healthz'>/healthz</a> &middot; <a href='/readyz'>/readyz</a></p>"
-        f"<p>window {exp.cfg.window:g} s, interval {exp.cfg.interval:g} s, "
-        f"{exp.cycles} cycles</p>"
-        + "".join(rows)
-        + (f"<h2>Collectors</h2><ul>{cols}</ul>" if cols else "")
-        + "</body></html>"
-    )
-    return web.Response(text=body, content_type="text/html")
+    page = render_html(status_view(exp, exp.clock(), advice_items(exp)))
+    return web.Response(text=page, content_type="text/html")
 
 
 # Request limits: every endpoint is a GET without a body, on a fixed path.

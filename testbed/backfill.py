@@ -357,12 +357,22 @@ def create_blocks(om_text: str, data_dir: Path, promtool: str = PROMTOOL) -> Non
 
 
 def backfilled_prometheus(
-    workdir: Path, series: Sequence[Series], promtool: str = PROMTOOL
+    workdir: Path,
+    series: Sequence[Series],
+    promtool: str = PROMTOOL,
+    lookback: float | None = None,
 ) -> Prometheus:
-    """A started Prometheus serving exactly `series` (it scrapes nothing)."""
+    """A started Prometheus serving exactly `series` (it scrapes nothing).
+
+    Backfilled blocks carry no staleness markers, so a series that stopped (an advice that
+    changed its action) would stay visible for the default 5 min lookback; `lookback`
+    (seconds, a few scrape intervals) ends it as a scraping Prometheus would."""
     prom = Prometheus(workdir, config={"global": {"scrape_interval": "15s"}})
     create_blocks(openmetrics(series), workdir / "data", promtool)
-    return prom.start(["--storage.tsdb.retention.time=30d"])
+    extra = ["--storage.tsdb.retention.time=30d"]
+    if lookback is not None:
+        extra.append(f"--query.lookback-delta={lookback:g}s")
+    return prom.start(extra)
 
 
 def shift(series: Series, seconds: float) -> Series:

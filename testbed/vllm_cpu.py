@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -124,6 +125,12 @@ class VllmServer:
         return cmd + self.extra_args
 
     def start(self, timeout: float = 240.0) -> VllmServer:
+        self.spawn()
+        self.wait_ready(timeout)
+        return self
+
+    def spawn(self) -> VllmServer:
+        """Start the server process without waiting for it (see wait_ready)."""
         env = dict(os.environ)
         env.update(
             {
@@ -137,6 +144,9 @@ class VllmServer:
             }
         )
         self.proc = start(self.command(), self.log_path, env=env)
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> VllmServer:
         try:
             wait_http(self.url + "/health", timeout, self.proc, self.log_path)
         except BaseException:
@@ -208,6 +218,55 @@ def seed_workload(
             )
             time.sleep(pause)
     return out
+
+
+@dataclass
+class WorkloadStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    errors: int = 0
+    last_error: str = ""
+
+
+def shared_documents_workload(
+    url: str,
+    stop: threading.Event,
+    stats: WorkloadStats,
+    *,
+    documents: int = 16,
+    doc_tokens: tuple[int, int] = (800, 1700),
+    question_tokens: tuple[int, int] = (30, 200),
+    mean_gap: float = 0.25,
+    zipf: float = 1.0,
+    seed: int = 11,
+    vocab: int = 2048,
+) -> None:
+    """Requests that share long document prefixes, until `stop` is set.
+
+    Each request is one of `documents` fixed documents (chosen with Zipf popularity, as
+    with system prompts or RAG documents) followed by a fresh question. The GPU pool holds
+    one or two documents, so most documents are evicted before they are asked about again
+    and recomputed: the traffic a CPU tier would catch. Prompt lengths and the gaps between
+    requests vary, so scrape intervals differ in requests and computed tokens and the
+    exporter's prefill fit can separate per-request from per-token cost.
+    """
+    rng = random.Random(seed)
+    docs = [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(*doc_tokens))] for _ in range(documents)
+    ]
+    weights = [1.0 / (i + 1) ** zipf for i in range(documents)]
+    while not stop.is_set():
+        doc = rng.choices(docs, weights)[0]
+        prompt = doc + [rng.randrange(3, vocab) for _ in range(rng.randint(*question_tokens))]
+        try:
+            resp = complete(url, prompt, timeout=60.0)
+            stats.requests += 1
+            stats.prompt_tokens += int(resp["usage"]["prompt_tokens"])
+        except (OSError, ValueError, KeyError) as exc:
+            stats.errors += 1
+            stats.last_error = str(exc)
+            stop.wait(1.0)
+        stop.wait(rng.expovariate(1.0 / mean_gap))
 
 
 if __name__ == "__main__":  # manual use: python -m testbed.vllm_cpu WORKDIR

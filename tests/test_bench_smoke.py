@@ -2,7 +2,7 @@
 
 These assert that each benchmark runs its real code paths end to end and prints its table
 with the named baseline beside it, never how fast anything is. Soak (tests/faults/
-test_soak_short.py), the NVML poller cost and the GPU probe (tests/test_nvml.py) and the
+test_soak_short.py), the NVML poller cost and the GPU probe (tests/nvml_doubles.py) and the
 what-if vs observed comparison (tests/test_whatif_gpu.py) have their own tests.
 """
 

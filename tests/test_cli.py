@@ -1,17 +1,16 @@
-"""exporter/cli.py: subcommand dispatch, --check-config, --version and `advise`."""
+"""exporter/cli.py: subcommand dispatch, --check-config, --version, and `advise` against a
+running exporter (the status page's card) and a dead URL."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import pytest
 
 from exporter import __version__
 from exporter.cli import main
+from testbed.browser import served_replay
 from testbed.procs import free_port
 
 
@@ -52,84 +51,30 @@ def test_main_whatif_subcommand_runs_the_whatif_cli(capsys, tmp_path) -> None:
     assert main(["whatif", "--events", str(tmp_path / "none.jsonl"), "--blocks", "4"]) == 2
 
 
-ADVICE = {
-    "advice": [
-        {
-            "target": "vllm-0",
-            "model_name": "qwen3",
-            "engine": "0",
-            "action": "enable_offload",
-            "reason": "recompute_after_eviction",
-            "explanation": "Evicted prefixes are recomputed.",
-            "recommended_buffer_bytes": 0.5 * 2**30,
-            "pending_action": "keep",
-            "numbers": {"kv_usage": 0.95, "offload_hit_ratio": None},
-        }
-    ]
-}
+async def test_advise_prints_the_status_pages_card(capsys) -> None:
+    async with served_replay("large-b") as (url, _):
+        rc = await asyncio.to_thread(main, ["advise", "--url", url, "--timeout", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "target large-b (http://127.0.0.1:" in out and "): up" in out
+    assert "Grow the CPU buffer: grow_buffer (buffer_too_small)" in out
+    assert "CPU buffer: configured 1.14 GiB; recommended 4.57 GiB (--kv-offloading-size" in out
+    assert "<- configured" in out and "<- recommended" in out
+    assert "numbers:" in out
 
 
-@pytest.fixture
-def advice_server() -> Iterator[tuple[str, list[Any]]]:
-    """An /advice endpoint serving the documents put in the list (the last one stays)."""
-    docs: list[Any] = [ADVICE]
-    paths: list[str] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            paths.append(self.path)
-            body = json.dumps(docs[-1]).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", docs
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-        assert set(paths) <= {"/advice"}
+async def test_advise_json_is_the_advice_document(capsys) -> None:
+    async with served_replay("large-b") as (url, _):
+        rc = await asyncio.to_thread(main, ["advise", "--url", url, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert doc["advice"][0]["action"] == "grow_buffer" and doc["advice"][0]["whatif"]
 
 
-def test_advise_prints_each_engines_action_explanation_and_known_numbers(
-    advice_server, capsys
-) -> None:
-    url, _ = advice_server
-    assert main(["advise", "--url", url + "/"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == "vllm-0  qwen3  engine 0"
-    assert out[1] == (
-        "  action: enable_offload  (recompute_after_eviction)"
-        "  recommended --kv-offloading-size 0.5  [pending: keep]"
-    )
-    assert out[2] == "  Evicted prefixes are recomputed."
-    assert out[3].split() == ["kv_usage", "0.95"]
-    assert not any("offload_hit_ratio" in line for line in out)  # unknown: not printed
-
-
-def test_advise_json_prints_the_document(advice_server, capsys) -> None:
-    url, _ = advice_server
-    assert main(["advise", "--url", url, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == ADVICE
-
-
-def test_advise_before_the_first_cycle_says_so(advice_server, capsys) -> None:
-    url, docs = advice_server
-    docs.append({"advice": []})
-    assert main(["advise", "--url", url]) == 0
-    assert capsys.readouterr().out.startswith("no advice yet")
-
-
-def test_advise_unreachable_exporter_is_exit_1(capsys) -> None:
+def test_advise_on_a_dead_url_says_so(capsys) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    assert main(["advise", "--url", url, "--timeout", "2"]) == 1
-    assert f"cannot read {url}/advice" in capsys.readouterr().err
+    rc = main(["advise", "--url", url, "--timeout", "2"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert f"no answer from an exporter at {url}" in captured.err and "refused" in captured.err
+    assert captured.out == ""

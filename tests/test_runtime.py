@@ -176,7 +176,7 @@ async def test_inputs_carry_every_snapshot_to_the_model(tmp_path: Path) -> None:
     assert ts.procfs is not None and ts.cgroup is not None and ts.kv_events is None
     procfs, cgroup, reading = ts.procfs.snapshot(), ts.cgroup.snapshot(), nvml.snapshot()
     assert procfs is not None and cgroup is not None and reading is not None
-    inputs = exporter.inputs(123.0)
+    inputs = exporter.cycle_inputs(123.0)
     (t,) = inputs.targets
     assert inputs.now == 123.0
     assert t.settings.launch == procfs.launch and procfs.launch is not None

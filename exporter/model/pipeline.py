@@ -35,6 +35,7 @@ from exporter.vllm_metrics import EngineKey
 class EngineResult:
     derived: EngineDerived
     advice: Advice
+    inputs: AdvisorInput  # what the advisor saw (the status page charts it)
     whatif: WhatIfState | None  # the curve over the window (None: not simulated yet)
     policies: tuple[PolicyPoint, ...]  # the policy comparison, planned for the next cycle
 
@@ -58,6 +59,9 @@ class CycleResult:
 
     def advice(self) -> dict[str, list[tuple[EngineKey, Advice]]]:
         return {t.label: [(e.derived.key, e.advice) for e in t.engines] for t in self.targets}
+
+    def inputs(self) -> dict[tuple[str, EngineKey], AdvisorInput]:
+        return {(t.label, e.derived.key): e.inputs for t in self.targets for e in t.engines}
 
 
 def memory_for(d: EngineDerived, memory: MemoryState | None) -> MemoryState | None:
@@ -106,7 +110,7 @@ class Pipeline:
         )
         # 3. Advice, the what-if read with the plan made from the previous recommendation.
         present: set[tuple[str, EngineKey]] = set()
-        advised: dict[str, list[tuple[EngineDerived, Advice, WhatIfState | None]]] = {}
+        advised: dict[str, list[tuple[AdvisorInput, Advice]]] = {}
         for t in inputs.targets:
             rows = advised.setdefault(t.label, [])
             for d in derived.get(t.label, []):
@@ -122,7 +126,7 @@ class Pipeline:
                 )
                 advice = self.advisor.update(t.label, inp)
                 self._recommended[(t.label, d.key)] = advice.recommended_buffer_bytes
-                rows.append((d, advice, state))
+                rows.append((inp, advice))
                 present.add((t.label, d.key))
         self.advisor.forget_missing(present)
         for key in [k for k in self._recommended if k not in present]:
@@ -132,9 +136,9 @@ class Pipeline:
         out: list[TargetResult] = []
         for t in inputs.targets:
             engines = []
-            for d, advice, state in advised[t.label]:
-                _, policies = self._whatif_view(t, d)
-                engines.append(EngineResult(d, advice, state, policies))
+            for inp, advice in advised[t.label]:
+                _, policies = self._whatif_view(t, inp.derived)
+                engines.append(EngineResult(inp.derived, advice, inp, inp.whatif, policies))
             w = self._whatif.get(t.label)
             out.append(
                 TargetResult(

@@ -10,6 +10,8 @@ def pct(x: float | None) -> str:
 
 
 def gib(x: float | None) -> str:
+    if x is not None and 0 < x < GIB:  # 32 MiB, not "0.03 GiB"
+        return f"{x / (1 << 20):.0f} MiB"
     return "n/a" if x is None else f"{x / GIB:.2f} GiB"
 
 

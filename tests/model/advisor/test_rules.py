@@ -374,3 +374,12 @@ def test_advisor_policy_sentence_when_offload_is_recommended() -> None:
     calm = base(kv_usage=0.3, window={"prompt_tokens": 400_000.0})
     b = evaluate(AdvisorInput(calm, 300.0, policy_alternatives=points))
     assert b.action == Action.NO_ACTION and "eviction_policy" not in b.explanation
+
+
+def test_sizes_below_a_gib_are_written_in_mib() -> None:
+    # The demo's tiny model is advised a 32 MiB tier: "0.03 GiB" would read as a rounding.
+    curve = (WhatIfPoint(16 << 20, 0.3), WhatIfPoint(32 << 20, 0.6))
+    a = evaluate(inp(base(), whatif=WhatIfState(curve, recomputed_after_eviction_tokens=7e4)))
+    assert a.action == Action.ENABLE_OFFLOAD
+    assert "a CPU tier of 32 MiB would have served 60.0%" in a.explanation
+    assert "--kv-offloading-size 0.03125" in a.explanation
