@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import ctypes
 import http.client
+import importlib
 import json
 import os
 import shutil
@@ -402,11 +403,7 @@ def cmd_poll_nvml(a: argparse.Namespace) -> int:
     stop = _Stop()
     status_path = Path(a.out + ".status.json")
     try:
-        pynvml: Any
-        if a.fake:
-            pynvml = FakeNvml()
-        else:
-            import pynvml
+        pynvml: Any = FakeNvml() if a.fake else importlib.import_module("pynvml")
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(a.gpu)
     except Exception as exc:
@@ -1242,7 +1239,7 @@ class Driver:
                 + [
                     ln
                     for ln in thr[1:]
-                    if _csv_t(ln) is not None and srv.t_start - 1 <= _csv_t(ln) <= t_end
+                    if (ln_t := _csv_t(ln)) is not None and srv.t_start - 1 <= ln_t <= t_end
                 ]
                 if thr
                 else []
@@ -1378,7 +1375,7 @@ class Driver:
             samples = list(kit.iter_jsonl(jl))
             res = self.summary["configs"].get(name, {})
             windows = [tuple(w) for w in res.get("windows", {}).values()]
-            kept = kit.thin_samples(samples, windows, margin_s=5, idle_every_s=10)  # type: ignore[arg-type]
+            kept = kit.thin_samples(samples, windows, margin_s=5, idle_every_s=10)
             jl.write_text("".join(json.dumps(s) + "\n" for s in kept))
         (src / "server.log").write_text(_read(src / "server.log")[-2_000_000:])
         kit.pack_dir(src, f, preset=9)

@@ -22,7 +22,7 @@ import tarfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -889,6 +889,7 @@ def max_gap_s(rows: Sequence[NvmlRow], t0: float, t1: float) -> float | None:
 
 OUT_FILE_LIMIT = 16 * MIB - 64 * 1024
 OUT_MAX_FILES = 8
+XzPreset = Literal[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # lzma presets
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -898,7 +899,7 @@ def safe_name(name: str) -> str:
     return cleaned
 
 
-def pack_dir(src: Path, dest: Path, *, preset: int = 6) -> int:
+def pack_dir(src: Path, dest: Path, *, preset: XzPreset = 6) -> int:
     """tar.xz of src (as a folder named src.name); returns the file size."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_suffix(dest.suffix + ".tmp")

@@ -55,6 +55,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import acceptance as acc  # noqa: E402
+import gpukit  # noqa: E402
 import matrixkit as mk  # noqa: E402
 
 T0 = time.monotonic()
@@ -650,7 +651,7 @@ def cpu_smoke_command(cmd: list[str]) -> list[str]:
 def _xz_lines(src: Path, dest: Path, convert: Any) -> dict[str, int]:
     n_in = n_out = 0
     with lzma.open(dest.with_suffix(".xz.tmp"), "wt", encoding="utf-8", preset=6) as out:
-        for rec in acc.kit.iter_jsonl(src):
+        for rec in gpukit.iter_jsonl(src):
             n_in += 1
             line = convert(rec)
             if line is not None:
@@ -798,7 +799,7 @@ def cmd_unpack(a: argparse.Namespace) -> int:
 
 def load_requests(d: Path) -> list[dict[str, Any]]:
     f = d / "requests.jsonl.xz"
-    return list(acc.kit.iter_jsonl(f)) if f.exists() else []
+    return list(gpukit.iter_jsonl(f)) if f.exists() else []
 
 
 def truth_table(root: Path) -> dict[str, Any]:
@@ -922,8 +923,6 @@ def cmd_show(a: argparse.Namespace) -> int:
 
 def cmd_smoke(a: argparse.Namespace) -> int:
     """The whole driver against the real vLLM CPU server with the tiny model (no offload)."""
-    import gpukit
-
     shapes = {
         "tiny": mk.ShapeSpec(
             name="tiny",

@@ -373,12 +373,12 @@ def nixl_totals(text: str) -> dict[str, float]:
     return kit.exposition_values(text, NIXL_SERIES)
 
 
-def nixl_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+def nixl_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float | None]:
     """Counter deltas and what they give: bytes per second of NIXL transfer time (what
     kvoffload_nixl_transfer_bandwidth_bytes_per_second reports), transfers, failures."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in NIXL_SERIES}
     secs = d["vllm:nixl_xfer_time_seconds_sum"]
-    out = {
+    out: dict[str, float | None] = {
         "transfers": d["vllm:nixl_xfer_time_seconds_count"],
         "bytes": d["vllm:nixl_bytes_transferred_sum"],
         "xfer_seconds": secs,
@@ -388,7 +388,8 @@ def nixl_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[
         "failed_notifications": d["vllm:nixl_num_failed_notifications_total"],
         "kv_expired_reqs": d["vllm:nixl_num_kv_expired_reqs_total"],
     }
-    out["bandwidth_bytes_per_second"] = out["bytes"] / secs if secs > 0 else None
+    transferred = d["vllm:nixl_bytes_transferred_sum"]
+    out["bandwidth_bytes_per_second"] = transferred / secs if secs > 0 else None
     return out
 
 
@@ -988,10 +989,10 @@ def run_variant(ctx: RunCtx, variant: Variant, deadline: float) -> dict[str, Any
         # Threads only now (no preexec_fn after this point).
         for role, port in (("prefill", ports.prefill_events), ("decode", ports.decode_events)):
             if not ctx.args.no_kv_events:
-                rec = EventRecorder(port, vdir / role / "kv_events.jsonl.xz", stop)
-                rec.start()
-                recorders[role] = rec
-                threads.append(rec)
+                recorder = EventRecorder(port, vdir / role / "kv_events.jsonl.xz", stop)
+                recorder.start()
+                recorders[role] = recorder
+                threads.append(recorder)
         start_deadline = min(deadline, time.monotonic() + ctx.args.start_timeout)
         urls = [f"http://127.0.0.1:{p}" for p in (ports.prefill_http, ports.decode_http)]
         wait_ready(urls, servers, start_deadline)
