@@ -1,6 +1,6 @@
 """Check the exporter's GPU and pinned-memory collectors against known traffic on a real GPU.
 
-Starts the real NVML collector (exporter.sources.nvml.NvmlSource with PynvmlApi), pins a
+Starts the real NVML collector (exporter.sources.nvml.source.NvmlSource with PynvmlApi), pins a
 host buffer with torch, copies a known number of bytes host->device and device->host,
 and checks:
 

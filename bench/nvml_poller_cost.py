@@ -1,6 +1,6 @@
 """CPU cost of the NVML PCIe poller thread at a given poll interval.
 
-Runs the real collector's poller (exporter.sources.nvml.NvmlPoller) on its own thread
+Runs the real collector's poller (exporter.sources.nvml.poller.NvmlPoller) on its own thread
 for a while and reads that thread's CPU clock: CPU seconds per wall second, CPU per poll,
 achieved polls per second and the longest gap between counter reads.
 

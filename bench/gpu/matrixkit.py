@@ -627,7 +627,7 @@ _TRANSFERS_PER_LANE = {1: 2.5e9, 2: 5e9, 3: 8e9, 4: 16e9, 5: 32e9, 6: 64e9}
 
 def link_bandwidth_bytes(generation: int | None, width: int | None) -> float | None:
     """Theoretical bytes/s per direction of a PCIe link after line encoding (the exporter's
-    exporter/sources/nvml.py link_bandwidth_bytes, copied: the kit runs standalone)."""
+    exporter/sources/nvml/poller.py link_bandwidth_bytes, copied: the kit runs standalone)."""
     if generation is None or width is None or width <= 0:
         return None
     rate = _TRANSFERS_PER_LANE.get(generation)

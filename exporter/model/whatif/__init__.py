@@ -1,1 +1,1 @@
-"""What-if simulators of a CPU offload tier, stepped by the runtime."""
+"""What-if simulators of a CPU offload tier, stepped by the model's Pipeline."""

@@ -1,4 +1,4 @@
-"""Per-engine what-if simulation state, stepped by the runtime (pure: no threads, no clock).
+"""Per-engine what-if simulation state, stepped by the Pipeline (pure: no threads, no clock).
 
 `WhatIf` owns one `EngineSim` per DP rank. Each engine rebuilds requests from the GPU
 events (`TraceBuilder`), replays them through the curve model (one size per
@@ -12,10 +12,10 @@ one the former simulator thread had, made explicit):
 1. `step(items)`: first the configurations given to `configure()` since the last step are
    applied (the last one per rank wins), then the cycle's items (messages and publisher
    restarts, in arrival order) are processed. Snapshots describe the state after this.
-2. The advisor reads the views of these snapshots. Before it does, the runtime plans each
+2. The advisor reads the views of these snapshots. Before it does, the Pipeline plans each
    engine with the previous cycle's recommended buffer (`plan.sim_config`) and calls
    `configure()`; the policy points it reads use that planned config.
-3. After the advice, the runtime plans again with this cycle's recommendation and calls
+3. After the advice, the Pipeline plans again with this cycle's recommendation and calls
    `configure()` before rendering; the rendered policy points use that plan.
 4. Whatever was configured last in steps 2-3 is applied at the start of the next `step()`,
    before that cycle's events.
