@@ -39,8 +39,9 @@ REGISTRATION = Registration(
             "kv-events-queue",
             "int",
             10000,
-            "KV-event batches buffered for the simulator; beyond it batches are dropped and "
-            "counted (kvoffload_kv_events_dropped_total), never blocking vLLM",
+            "KV-event batches buffered between the receiver and the next collection cycle; "
+            "beyond it batches are dropped and counted (kvoffload_kv_events_dropped_total), "
+            "never blocking vLLM",
             "N",
         ),
         Option(
