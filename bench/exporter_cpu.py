@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
                 up = ", ".join(f"{k}={v:g}" for k, v in sorted(run.collectors.items()))
                 print(
-                    f"round {rnd} {v.name:<20} CPU {run.cpu_share:6.2%}  "
+                    f"round {rnd} {v.name:<20} CPU {run.cpu_share:6.2%} "
+                    f"({run.cpu_seconds:.3f} s in {run.wall_seconds:.1f} s)  "
                     f"{run.per_cycle * 1e3:6.2f} ms/cycle ({run.cycles:.0f} cycles)  "
                     f"p50 {percentile(run.latencies, 0.5) * 1e3:5.2f} ms  "
                     f"p99 {percentile(run.latencies, 0.99) * 1e3:5.2f} ms  "
