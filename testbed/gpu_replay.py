@@ -3,10 +3,11 @@
 `replayed_exporter(config)` builds an `exporter.runtime.Exporter` whose clock is the
 recording's: its vLLM target scrapes testbed.replay serving the run's 1 s /metrics bodies
 in order; its KV-event source hands over the events vLLM had published by each scrape
-(testbed.backfill.RecordedKvEvents, in place of ZMQ). For large-b, the host sources are the
-real ones on the run's own recorded host (the /proc tree of tests/fixtures/e2e/, the cgroup
-v2 fixture, the recorded H200 NVML readings): the same as the golden exposition's. Other
-runs get no host sources (their charts say "no data").
+(testbed.backfill.RecordedKvEvents, in place of ZMQ). Every run gets the real NVML source on
+the recorded H200 readings (the GPU they ran on: its link and PCIe counters); large-b also
+gets the real procfs and cgroup sources on its own recorded host (the /proc tree of
+tests/fixtures/e2e/, the cgroup v2 fixture), as the golden exposition does. Other runs have
+no /proc or cgroup view (their memory chart says "no data").
 `run_cycles()` then calls the real `Exporter.run_cycle()` once per recorded scrape, so
 advice, hysteresis, history and the status page are computed by the exporter's own code.
 
@@ -91,13 +92,24 @@ class Recording:
         return before[-1]
 
 
-def _host_sources(rec: Recording, label: str, clock: Any) -> list[Source]:
-    """The real procfs, cgroup and NVML sources on the run's recorded host, where the
-    repository has it (large-b); none otherwise."""
-    if rec.name != DECIDED_RUN:
-        return []
+def _nvml(clock: Any) -> tuple[NvmlSource, Any, int]:
+    """The NVML source on the recorded H200 readings (the machine every run was on), its
+    poller's clock, and how many readings make one 1 s cycle."""
     from tests.nvml_doubles import FakeClock, RecordedGpu, RecordedNvml, load_fast
 
+    rows = load_fast("b_offload")
+    monotonic = FakeClock()
+    source = NvmlSource(
+        RecordedNvml([RecordedGpu(rows=rows)]), poll_interval=0.01, monotonic=monotonic, clock=clock
+    )
+    return source, monotonic, 100  # 10 ms readings: 100 a second
+
+
+def _host_sources(rec: Recording, label: str, clock: Any) -> list[Source]:
+    """The real procfs and cgroup sources on the run's recorded host, where the repository
+    has it (large-b's /proc tree); none otherwise."""
+    if rec.name != DECIDED_RUN:
+        return []
     proc = FIXTURES / "e2e" / "proc"
     shm = 137438953472  # the run's empty /dev/shm (sys/end_dev_shm.txt)
 
@@ -105,14 +117,7 @@ def _host_sources(rec: Recording, label: str, clock: Any) -> list[Source]:
         blocks = shm // 4096
         return os.statvfs_result((4096, 4096, blocks, blocks, blocks, 0, 0, 0, 0, 255))
 
-    nvml = NvmlSource(
-        RecordedNvml([RecordedGpu(rows=load_fast("b_offload"))]),
-        monotonic=FakeClock(),
-        clock=clock,
-    )
-    nvml.poller.step()  # the first reading: link state and memory
     return [
-        nvml,
         ProcfsSource(
             label,
             port=None,
@@ -139,11 +144,17 @@ class Replayed:
     recording: Recording
     server: ReplayServer
     now: list[float]
+    nvml: tuple[NvmlSource, Any, int]
 
     async def run_cycles(self) -> None:
-        """One real collection cycle per recorded scrape, at the recorded time."""
+        """One real collection cycle per recorded scrape, at the recorded time; the NVML
+        poller reads a second of the recorded H200 counters before each."""
+        nvml, monotonic, per_cycle = self.nvml
         for t, _ in self.recording.vllm:
             self.now[0] = t
+            for _ in range(per_cycle):
+                nvml.poller.step()
+                monotonic.advance(0.01)
             await self.exporter.run_cycle()
 
 
@@ -181,9 +192,11 @@ def replayed_exporter(name: str = DECIDED_RUN, window: float = 30.0) -> Replayed
         max_body_bytes=1 << 24,
         clock=clock,
     )
+    nvml = _nvml(clock)
     sources: list[Source] = [
         target,
+        nvml[0],
         *_host_sources(rec, rec.name, clock),
         RecordedKvEvents(cfg.targets[0], rec.events, clock),
     ]
-    return Replayed(Exporter(cfg, sources, clock), rec, server, now)
+    return Replayed(Exporter(cfg, sources, clock), rec, server, now, nvml)
