@@ -283,6 +283,28 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
             "are not reused, so offload costs PCIe bandwidth and pinned memory for nothing.",
         )
     if (
+        ofit is not None
+        and ofit.proves_gain
+        and (ofit.measured_speedup or math.inf) < th.transfer_speedup_min
+    ):
+        # A reload measurably saves time, but by less than the margin so far: whether it
+        # clears the margin is what is uncertain, not whether it saves anything.
+        bounds = ofit.speedup_bounds()
+        spread = (
+            f" (interval {bounds[0]:.2f}-{bounds[1]:.2f}x)"
+            if bounds is not None and math.isfinite(bounds[1])
+            else ""
+        )
+        return advice(
+            Action.INSUFFICIENT_DATA,
+            Reason.SPEEDUP_UNCERTAIN,
+            f"{pct(hit)} of prompt tokens come back from the CPU tier and, measured from TTFT "
+            f"across the window, a loaded token is {ofit.measured_speedup or 0:.2f}x cheaper "
+            f"than a recomputed one{spread}: a gain, but not yet clearly above the "
+            f"{th.transfer_speedup_min:.1f}x that pays for the pinned memory, the PCIe traffic "
+            "and the stores of every computed block. More traffic narrows it.",
+        )
+    if (
         ofit is None
         or not ofit.proves_gain
         or (ofit.measured_speedup or math.inf) < th.transfer_speedup_min

@@ -383,3 +383,28 @@ def test_sizes_below_a_gib_are_written_in_mib() -> None:
     assert a.action == Action.ENABLE_OFFLOAD
     assert "a CPU tier of 32 MiB would have served 60.0%" in a.explanation
     assert "--kv-offloading-size 0.03125" in a.explanation
+
+
+def test_a_measured_gain_below_the_margin_is_uncertain_not_unmeasured() -> None:
+    # Loaded tokens measurably cheaper (saving 3 +- 1 us) but only 1.25x: is it worth the
+    # pinned memory and the stores? Not decided yet, and the reason says why.
+    small = OffloadFit(
+        0.014,
+        15e-6,
+        12e-6,
+        80,
+        0.98,
+        saving_stderr=0.5e-6,
+        computed_stderr=2e-6,  # the speedup interval straddles the margin: about 0.8-2.1x
+        loaded_stderr=1.5e-6,
+    )
+    a = evaluate(inp(base(**{**ON, "offload_fit": small})))
+    assert (a.action, a.reason) == (Action.INSUFFICIENT_DATA, "speedup_uncertain")
+    assert "1.25x cheaper" in a.explanation and "1.5x" in a.explanation
+    # Precise enough to see it stays under the margin: turned off.
+    tight = replace(small, computed_stderr=0.4e-6, loaded_stderr=0.4e-6)
+    assert evaluate(inp(base(**{**ON, "offload_fit": tight}))).reason == "reload_gain_too_small"
+    # The same fit with no proven saving stays "unmeasured".
+    noisy = replace(small, saving_stderr=3e-6)
+    b = evaluate(inp(base(**{**ON, "offload_fit": noisy})))
+    assert b.reason == "reload_benefit_unmeasured"
