@@ -8,42 +8,15 @@ from exporter.kvevents_codec import Message, decode_batch
 from exporter.model.derive.engines import EngineDerived
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
 from exporter.window import TargetWindow
+from tests.model.advisor.common import base
 
 EK = EngineKey("m", "0")
 
 
 def derived(**kw: object) -> EngineDerived:
-    """An engine without offload, 16-token blocks of 114688 bytes per token."""
-    defaults: dict[str, object] = dict(
-        key=EK,
-        fresh=True,
-        offload_enabled=False,
-        offload_buffer_bytes=None,
-        gpu_capacity_tokens=2336.0,
-        block_size=16,
-        kv_usage=0.95,
-        gpu_prefix_hit_ratio=0.2,
-        offload_hit_ratio=None,
-        offload_lookup_hit_ratio=None,
-        load_bandwidth=None,
-        store_bandwidth=None,
-        reuse_ratio=None,
-        kv_bytes_per_token=114688.0,
-        kv_bytes_per_token_method="offload_loads",
-        prefill_fit=None,
-        offload_fit=None,
-        recompute_tokens_per_second=23_000.0,
-        recompute_negligible=False,
-        prefill_average_tokens_per_second=20_000.0,
-        transfer_tokens_per_second=110_000.0,
-        transfer_estimated=True,
-        transfer_speedup=110_000 / 23_000,
-        transfer_speedup_lower=0.8 * 110_000 / 23_000,
-        window={},
-        totals={},
-    )
-    defaults.update(kw)
-    return EngineDerived(**defaults)  # type: ignore[arg-type]
+    """An engine without offload, 16-token blocks of 114688 bytes per token, key EK, an
+    empty window: the advisor tests' engine (tests/model/advisor/common.py) with these."""
+    return base(**{"key": EK, "window": {}, **kw})
 
 
 def stored(ts: float, *hashes: int, parent: int | None = None, dp_rank: int | None = 0) -> Message:
