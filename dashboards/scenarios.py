@@ -268,7 +268,9 @@ def gpu_series(end: float) -> list[backfill.Series]:
 def gpu(workdir: Path) -> Iterator[Data]:
     end = backfill.recent_end()
     series = gpu_series(end)
-    prom = backfill.backfilled_prometheus(workdir, series)
+    # 1 s scrapes: a series gone for 3 s is stale, as a scraping Prometheus would mark it
+    # (an advice_info series whose action changed must not linger for 5 minutes).
+    prom = backfill.backfilled_prometheus(workdir, series, lookback=3.0)
     first = min(ts for s in series for ts, _ in s.scrapes)
     try:
         yield Data(
