@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
-from exporter.expfmt import Sample
+from exporter.expfmt import Labels, Sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,7 +418,7 @@ def is_counter_key(key: str) -> bool:
 
 
 def _kept_engines(
-    by_name: Mapping[str, list[tuple[Sample, EngineKey | None]]],
+    by_name: Mapping[str, list[tuple[int, EngineKey | None]]],
     max_engines: int | None,
     prefer: Collection[EngineKey],
 ) -> tuple[set[EngineKey] | None, int]:
@@ -442,62 +442,157 @@ def _kept_engines(
     return kept, len(present) - len(kept)
 
 
-_ByName = dict[str, list[tuple[Sample, EngineKey | None]]]
+# Sample indices by series name, each with its engine (None without model_name and engine).
+_ByName = dict[str, list[tuple[int, EngineKey | None]]]
 
 
-def _by_name(samples: Iterable[Sample]) -> _ByName:
-    """Samples by series name, each with its engine (None without model_name and engine),
-    worked out once: the cap and every quantity read it."""
+def _by_name(names: list[str], labels: list[Labels]) -> _ByName:
+    """Sample indices by series name, each with its engine, worked out once: the cap and
+    every quantity read it."""
     by_name: _ByName = {}
     known: dict[tuple[str | None, str | None], EngineKey | None] = {}
-    for s in samples:
-        pair = (s.label("model_name"), s.label("engine"))
+    for i, (name, labs) in enumerate(zip(names, labels, strict=True)):
+        model = engine = None
+        for k, v in labs:
+            if k == "model_name":
+                model = v if model is None else model
+            elif k == "engine":
+                engine = v if engine is None else engine
+        pair = (model, engine)
         if pair not in known:
-            model, engine = pair
             known[pair] = None if model is None or engine is None else EngineKey(model, engine)
-        by_name.setdefault(s.name, []).append((s, known[pair]))
+        by_name.setdefault(name, []).append((i, known[pair]))
     return by_name
 
 
-def _cache_config(
-    by_name: _ByName, kept: set[EngineKey] | None, engine_labels: set[str]
-) -> tuple[dict[str, dict[str, str]], int]:
-    """The cache config info labels by engine label ("0" when unlabelled), and how many
-    series the cap dropped (under a cap, those of engines with no kept quantity)."""
-    out: dict[str, dict[str, str]] = {}
-    dropped = 0
-    for s, _ in by_name.get(CACHE_CONFIG_INFO, ()):
-        engine = s.label("engine") or "0"
-        if kept is not None and engine not in engine_labels:
-            dropped += 1
-            continue
-        out[engine] = dict(s.labels)
-    return out, dropped
+def _label(labels: Labels, key: str) -> str | None:
+    for k, v in labels:
+        if k == key:
+            return v
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What normalise() does with a body of a given shape (its series names and label sets,
+    the cap and, when the cap bites, the preferred engines): everything but the values.
+    Bodies of one target keep their shape from scrape to scrape, so the plan is reused."""
+
+    names: list[str]
+    labels: list[Labels]
+    max_engines: int | None
+    prefer: frozenset[EngineKey] | None  # None: the cap keeps every engine, prefer is moot
+    steps: tuple[tuple[int, bool, EngineKey, str], ...]  # sample, is counter, engine, key
+    dropped: int  # series dropped by the caps (quantities, cache and offload config)
+    dropped_engines: int
+    kept: set[EngineKey] | None
+    cache_config: tuple[int, ...]  # indices of CACHE_CONFIG_INFO samples
+    offload_config: tuple[tuple[int, EngineKey], ...]  # kept OFFLOAD_CONFIG_INFO samples
+    process_start: tuple[int, ...]
 
 
 def _offload_config(
     by_name: _ByName, kept: set[EngineKey] | None
-) -> tuple[dict[EngineKey, dict[str, str]], int]:
-    """The offload config info labels per kept engine, and how many series the cap dropped."""
-    out: dict[EngineKey, dict[str, str]] = {}
+) -> tuple[tuple[tuple[int, EngineKey], ...], int]:
+    """The OFFLOAD_CONFIG_INFO samples of kept engines, and how many the cap dropped."""
+    out: list[tuple[int, EngineKey]] = []
     dropped = 0
-    for s, ek in by_name.get(OFFLOAD_CONFIG_INFO, ()):
+    for i, ek in by_name.get(OFFLOAD_CONFIG_INFO, ()):
         if ek is None:
             continue
         if kept is not None and ek not in kept:
             dropped += 1
             continue
-        out[ek] = dict(s.labels)
-    return out, dropped
+        out.append((i, ek))
+    return tuple(out), dropped
 
 
-def _process_start(by_name: _ByName) -> float | None:
-    """The last finite process start time in the body."""
-    process_start = None
-    for s, _ in by_name.get(PROCESS_START, ()):
-        if math.isfinite(s.value):
-            process_start = s.value
-    return process_start
+def _make_plan(
+    names: list[str], labels: list[Labels], max_engines: int | None, prefer: Collection[EngineKey]
+) -> _Plan:
+    by_name = _by_name(names, labels)
+    kept, dropped_engines = _kept_engines(by_name, max_engines, prefer)
+    dropped = 0
+    split_values: dict[tuple[EngineKey, str], set[str]] = {}
+    steps: list[tuple[int, bool, EngineKey, str]] = []
+    for q in QUANTITIES:
+        is_counter = q.kind == "counter"
+        won: set[EngineKey] = set()
+        for cand in q.candidates:
+            chosen: set[EngineKey] = set()
+            for i, ek in by_name.get(cand.name, ()):
+                if ek is None:
+                    continue
+                labs = labels[i]
+                if cand.match and any(_label(labs, k) != v for k, v in cand.match):
+                    continue
+                if kept is not None and ek not in kept:
+                    dropped += 1
+                    continue
+                if ek in won:
+                    continue  # an earlier generation's series already supplies this engine
+                key = q.key
+                if q.by is not None:
+                    part = _label(labs, q.by)
+                    if part is None:
+                        continue
+                    parts = split_values.setdefault((ek, q.key), set())
+                    if part not in parts and len(parts) >= MAX_SPLIT_VALUES:
+                        dropped += 1
+                        continue
+                    parts.add(part)
+                    key = f"{q.key}:{part}"
+                chosen.add(ek)
+                steps.append((i, is_counter, ek, key))
+            won |= chosen
+    offload, dropped_offload = _offload_config(by_name, kept)
+    return _Plan(
+        names=names,
+        labels=labels,
+        max_engines=max_engines,
+        prefer=None if kept is None else frozenset(prefer),
+        steps=tuple(steps),
+        dropped=dropped + dropped_offload,
+        dropped_engines=dropped_engines,
+        kept=kept,
+        cache_config=tuple(i for i, _ in by_name.get(CACHE_CONFIG_INFO, ())),
+        offload_config=offload,
+        process_start=tuple(i for i, _ in by_name.get(PROCESS_START, ())),
+    )
+
+
+# Plans by a cheap fingerprint of the body's shape (checked in full on use). Bounded:
+# cleared when full, as a target whose series keep changing would otherwise grow it.
+_PLANS: dict[tuple[object, ...], list[_Plan]] = {}
+_PLANS_MAX = 64
+
+
+def _plan(
+    names: list[str], labels: list[Labels], max_engines: int | None, prefer: Collection[EngineKey]
+) -> _Plan:
+    n = len(names)
+    fingerprint: tuple[object, ...] = (
+        (n, max_engines, names[0], labels[0], names[-1], labels[-1]) if n else (0, max_engines)
+    )
+    candidates = _PLANS.get(fingerprint)
+    if candidates is not None:
+        for plan in candidates:
+            # List equality compares item by item in C, and the parser hands out the same
+            # label tuples for the same label blocks, so this is mostly identity checks.
+            if (
+                plan.names == names
+                and plan.labels == labels
+                and (plan.prefer is None or plan.prefer == frozenset(prefer))
+            ):
+                return plan
+    plan = _make_plan(names, labels, max_engines, prefer)
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    bucket = _PLANS.setdefault(fingerprint, [])
+    if len(bucket) >= 4:
+        del bucket[0]
+    bucket.append(plan)
+    return plan
 
 
 def normalise(
@@ -512,51 +607,45 @@ def normalise(
     With `max_engines`, at most that many engine label sets are kept (those in `prefer`,
     the engines already being tracked, first; then in sorted order, so the choice is
     stable across scrapes); the series of the others are dropped and counted.
+
+    Which sample becomes which engine's quantity depends only on the body's series and
+    label sets (and the cap): that plan is worked out once per shape of body (`_plan`)
+    and the values of each scrape are filled in along it.
     """
-    by_name = _by_name(samples)
-    kept, dropped_engines = _kept_engines(by_name, max_engines, prefer)
-    dropped = 0
-    split_values: dict[tuple[EngineKey, str], set[str]] = {}
+    seq = samples if isinstance(samples, list | tuple) else list(samples)
+    names = [s.name for s in seq]
+    labels = [s.labels for s in seq]
+    plan = _plan(names, labels, max_engines, prefer)
     counters: dict[EngineKey, dict[str, float]] = {}
     gauges: dict[EngineKey, dict[str, float]] = {}
     invalid: list[str] = []
-    for q in QUANTITIES:
-        target = counters if q.kind == "counter" else gauges
-        won: set[EngineKey] = set()
-        for cand in q.candidates:
-            chosen: set[EngineKey] = set()
-            for s, ek in by_name.get(cand.name, ()):
-                if ek is None:
-                    continue
-                if cand.match and any(s.label(k) != v for k, v in cand.match):
-                    continue
-                if kept is not None and ek not in kept:
-                    dropped += 1
-                    continue
-                if ek in won:
-                    continue  # an earlier generation's series already supplies this engine
-                key = q.key
-                if q.by is not None:
-                    part = s.label(q.by)
-                    if part is None:
-                        continue
-                    parts = split_values.setdefault((ek, q.key), set())
-                    if part not in parts and len(parts) >= MAX_SPLIT_VALUES:
-                        dropped += 1
-                        continue
-                    parts.add(part)
-                    key = f"{q.key}:{part}"
-                chosen.add(ek)
-                value = s.value
-                if not math.isfinite(value) or (q.kind == "counter" and value < 0):
-                    invalid.append(f"{s.name}{dict(s.labels)}={value}")
-                    continue
-                target.setdefault(ek, {})[key] = value
-            won |= chosen
+    isfinite = math.isfinite
+    for i, is_counter, ek, key in plan.steps:
+        value = seq[i].value
+        if not isfinite(value) or (is_counter and value < 0):
+            invalid.append(f"{names[i]}{dict(labels[i])}={value}")
+            continue
+        target = counters if is_counter else gauges
+        values = target.get(ek)
+        if values is None:
+            values = target[ek] = {}
+        values[key] = value
     keys = set(counters) | set(gauges)
-    cache_config, dropped_cache = _cache_config(by_name, kept, {ek.engine for ek in keys})
-    offload_config, dropped_offload = _offload_config(by_name, kept)
-    dropped += dropped_cache + dropped_offload
+    engine_labels = {ek.engine for ek in keys}
+    dropped = plan.dropped
+    cache_config: dict[str, dict[str, str]] = {}
+    for i in plan.cache_config:
+        labs = labels[i]
+        engine = _label(labs, "engine") or "0"
+        if plan.kept is not None and engine not in engine_labels:
+            dropped += 1
+            continue
+        cache_config[engine] = dict(labs)
+    offload_config = {ek: dict(labels[i]) for i, ek in plan.offload_config}
+    process_start = None
+    for i in plan.process_start:
+        if isfinite(seq[i].value):
+            process_start = seq[i].value
     engines = {
         ek: EngineSample(
             counters=counters.get(ek, {}),
@@ -569,8 +658,8 @@ def normalise(
         ts=ts,
         engines=engines,
         cache_config=cache_config,
-        process_start=_process_start(by_name),
+        process_start=process_start,
         invalid=tuple(invalid),
         dropped_series=dropped,
-        dropped_engines=dropped_engines,
+        dropped_engines=plan.dropped_engines,
     )

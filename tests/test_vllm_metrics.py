@@ -163,3 +163,28 @@ def test_dashboard_backend_series_appear_in_the_backend_fixtures() -> None:
     )
     for name in conditional:
         assert re.search(re.escape(name) + r"[ {_]", texts), name
+
+
+def test_a_body_of_the_same_shape_reuses_the_plan_with_its_own_values():
+    from exporter.expfmt import Sample
+    from exporter.vllm_metrics import normalise
+
+    def body(hits: float, running: float, engines: int = 2) -> list[Sample]:
+        out = []
+        for e in range(engines):
+            labels = (("engine", str(e)), ("model_name", "m"))
+            out.append(Sample("vllm:prefix_cache_hits_total", labels, hits + e))
+            out.append(Sample("vllm:num_requests_running", labels, running))
+        return out
+
+    first = normalise(body(10.0, 1.0), 1.0)
+    again = normalise(body(20.0, float("nan")), 2.0)  # same shape: the plan is reused
+    e0, e1 = EngineKey("m", "0"), EngineKey("m", "1")
+    assert first.engines[e1].counters == {"prefix_hits": 11.0}
+    assert first.engines[e0].gauges == {"running": 1.0}
+    assert again.engines[e1].counters == {"prefix_hits": 21.0} and again.ts == 2.0
+    assert again.engines[e0].gauges == {} and len(again.invalid) == 2
+    # Under the cap the preferred engines count: the plan is not reused across them.
+    assert set(normalise(body(1.0, 1.0), 3.0, max_engines=1, prefer={e1}).engines) == {e1}
+    assert set(normalise(body(1.0, 1.0), 3.0, max_engines=1, prefer={e0}).engines) == {e0}
+    assert set(normalise(iter(body(1.0, 1.0, 3)), 3.0).engines) == {e0, e1, EngineKey("m", "2")}

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from exporter.logs import log_event
@@ -78,13 +80,32 @@ def parse_limit(text: str) -> int | None:
     return None if number >= V1_UNLIMITED else number
 
 
-def parse_memory_stat(text: str) -> dict[str, int]:
+# Line breaks of str.splitlines() other than "\n": with none of them, a MULTILINE regex's
+# lines are splitlines()' lines.
+_ODD_BREAKS_RE = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+@lru_cache(maxsize=8)
+def _stat_keys_re(keys: frozenset[str]) -> re.Pattern[str]:
+    return re.compile("^(" + "|".join(re.escape(k) for k in sorted(keys)) + ") (.*)$", re.MULTILINE)
+
+
+def parse_memory_stat(text: str, keys: frozenset[str] | None = None) -> dict[str, int]:
+    """memory.stat -> {key: value}; with `keys`, only those (found by one regex: the
+    other 30-50 lines are never split)."""
+    if keys is None or _ODD_BREAKS_RE.search(text) is not None:
+        lines: list[tuple[str, str]] = [line.partition(" ")[::2] for line in text.splitlines()]
+    else:
+        lines = _stat_keys_re(keys).findall(text)
     out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if value.strip().lstrip("-").isdigit():
+    for key, value in lines:
+        if (keys is None or key in keys) and value.strip().lstrip("-").isdigit():
             out[key] = int(value)
     return out
+
+
+V2_STAT_KEYS = frozenset(("anon", "shmem"))
+V1_STAT_KEYS = frozenset(("hierarchical_memory_limit", "total_rss", "rss", "total_shmem", "shmem"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +144,11 @@ def headroom(limit: int | None, anon: int | None, shmem: int | None) -> int | No
 # --- reading ------------------------------------------------------------------------------
 
 
-def _read_optional(path: Path) -> str | None:
+def _read_optional(path: str | Path) -> str | None:
     """A missing file is None (no controller, root cgroup); any other failure is an error."""
     try:
-        return path.read_text(encoding="ascii", errors="replace")
+        with open(path, "rb", buffering=0) as fh:  # noqa: PTH123 - a plain read, str paths
+            return fh.read().decode("ascii", "replace").replace("\r\n", "\n").replace("\r", "\n")
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -135,72 +157,97 @@ def _read_optional(path: Path) -> str | None:
         ) from None
 
 
-def _parse(path: Path, text: str) -> int | None:
+def _parse(path: str | Path, text: str) -> int | None:
     try:
         return parse_limit(text)
     except ValueError:
         raise CollectError(ErrorKind.PARSE, f"{path}: unexpected content {text[:40]!r}") from None
 
 
+def _parts(rel: str) -> list[str]:
+    # As Path.joinpath takes them: empty and "." components drop out.
+    return [p for p in rel.split("/") if p and p != "."]
+
+
+def _join(base: str, parts: list[str]) -> str:
+    """str(Path(base).joinpath(*parts)) for a base that is already a str(Path)."""
+    if not parts:
+        return base
+    return (base if base.endswith("/") else base + "/") + "/".join(parts)
+
+
 def read_v2(root: Path, rel: str, override: int | None = None) -> CgroupMemory:
-    parts = [p for p in rel.split("/") if p]
-    own = root.joinpath(*parts)
-    current = _read_optional(own / "memory.current")
-    stat_text = _read_optional(own / "memory.stat")
+    return _read_v2(str(root), _parts(rel), override, None)[0]
+
+
+def _read_v2(
+    root: str, parts: list[str], override: int | None, levels: tuple[int, ...] | None
+) -> tuple[CgroupMemory, tuple[int, ...]]:
+    """The view, and the depths whose memory.max held a limit. `levels`: read only those
+    depths' memory.max (None: every level from the cgroup up to the root)."""
+    own = _join(root, parts)
+    current = _read_optional(own + "/memory.current")
+    stat_text = _read_optional(own + "/memory.stat")
     if current is None and stat_text is None:
         raise CollectError(
             ErrorKind.UNAVAILABLE,
             f"no memory controller files in {own} (memory controller not enabled?)",
             absent=True,
         )
-    stat = parse_memory_stat(stat_text or "")
+    stat = parse_memory_stat(stat_text or "", V2_STAT_KEYS)
     anon, shmem = stat.get("anon"), stat.get("shmem")
     limits: list[tuple[int, int | None]] = []
-    for depth in range(len(parts), -1, -1):
-        level = root.joinpath(*parts[:depth])
-        raw = _read_optional(level / "memory.max")
+    limited: list[int] = []
+    for depth in range(len(parts), -1, -1) if levels is None else levels:
+        level = _join(root, parts[:depth])
+        raw = _read_optional(level + "/memory.max")
         if raw is None:
             continue
-        limit = _parse(level / "memory.max", raw)
+        limit = _parse(level + "/memory.max", raw)
         if limit is None:
             continue
+        limited.append(depth)
         level_stat = (
             stat
             if depth == len(parts)
-            else parse_memory_stat(_read_optional(level / "memory.stat") or "")
+            else parse_memory_stat(_read_optional(level + "/memory.stat") or "", V2_STAT_KEYS)
         )
         limits.append((limit, headroom(limit, level_stat.get("anon"), level_stat.get("shmem"))))
-    usage = _parse(own / "memory.current", current) if current is not None else None
+    usage = _parse(own + "/memory.current", current) if current is not None else None
     if override is not None:
-        return CgroupMemory(
-            2, str(own), override, usage, anon, shmem, headroom(override, anon, shmem)
-        )
+        view = CgroupMemory(2, own, override, usage, anon, shmem, headroom(override, anon, shmem))
+        return view, tuple(limited)
     rooms = [h for _, h in limits if h is not None]
-    return CgroupMemory(
+    view = CgroupMemory(
         version=2,
-        path=str(own),
+        path=own,
         limit=min((lim for lim, _ in limits), default=None),
         usage=usage,
         anon=anon,
         shmem=shmem,
         headroom=min(rooms, default=None),
     )
+    return view, tuple(limited)
 
 
 def read_v1(base: Path, rel: str, override: int | None = None) -> CgroupMemory:
-    own = base.joinpath(*[p for p in rel.split("/") if p])
-    usage_text = _read_optional(own / "memory.usage_in_bytes")
-    limit_text = _read_optional(own / "memory.limit_in_bytes")
-    stat_text = _read_optional(own / "memory.stat")
+    return _read_v1(str(base), _parts(rel), override)
+
+
+def _read_v1(base: str, parts: list[str], override: int | None) -> CgroupMemory:
+    own = _join(base, parts)
+    usage_text = _read_optional(own + "/memory.usage_in_bytes")
+    limit_text = _read_optional(own + "/memory.limit_in_bytes")
+    stat_text = _read_optional(own + "/memory.stat")
     if usage_text is None and stat_text is None:
         raise CollectError(
             ErrorKind.UNAVAILABLE, f"no memory controller files in {own}", absent=True
         )
-    stat = parse_memory_stat(stat_text or "")
+    stat = parse_memory_stat(stat_text or "", V1_STAT_KEYS)
     limits = [
         v
         for v in (
-            _parse(own / "memory.limit_in_bytes", limit_text) if limit_text else None,
+            _parse(own + "/memory.limit_in_bytes", limit_text) if limit_text else None,
             # The effective limit, ancestors included.
             stat.get("hierarchical_memory_limit"),
         )
@@ -210,8 +257,8 @@ def read_v1(base: Path, rel: str, override: int | None = None) -> CgroupMemory:
     # total_* include descendants, like v2's numbers do.
     anon = stat.get("total_rss", stat.get("rss"))
     shmem = stat.get("total_shmem", stat.get("shmem"))
-    usage = _parse(own / "memory.usage_in_bytes", usage_text) if usage_text else None
-    return CgroupMemory(1, str(own), limit, usage, anon, shmem, headroom(limit, anon, shmem))
+    usage = _parse(own + "/memory.usage_in_bytes", usage_text) if usage_text else None
+    return CgroupMemory(1, own, limit, usage, anon, shmem, headroom(limit, anon, shmem))
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +294,24 @@ def locate(root: Path, target: ProcCgroup, own: ProcCgroup | None) -> Located | 
 
 # --- the source -----------------------------------------------------------------------------
 
+# How long a located cgroup is read without locating it again (while the pid and its
+# /proc/PID/cgroup stay the same and the reads succeed): the exporter's own cgroup and the
+# ancestors' limits are taken from the locating.
+LOCATE_REFRESH = 30.0
+
+
+@dataclass(slots=True)
+class _Known:
+    """A located cgroup: for which pid and /proc/PID/cgroup text, since when, where."""
+
+    pid: int
+    text: str
+    since: float
+    where: Located
+    base: str
+    parts: list[str]
+    levels: tuple[int, ...] | None = None  # v2: the depths whose memory.max held a limit
+
 
 class CgroupSource:
     """The `cgroup:<target>` collector."""
@@ -272,6 +337,7 @@ class CgroupSource:
         self._unreclaimable: int | None = None
         self._view: CgroupMemory | None = None
         self._last_path: str | None = None
+        self._known: _Known | None = None  # where the last located cgroup is
 
     async def start(self) -> None:
         self.health.started = True
@@ -297,7 +363,11 @@ class CgroupSource:
 
     async def collect(self) -> None:
         try:
-            view = await asyncio.to_thread(self.read)
+            # The known cgroup's few small pseudo-files are read inline (cheaper than a
+            # thread hop); locating it (directories, /proc) goes through a thread.
+            view = self._read_known()
+            if view is None:
+                view = await asyncio.to_thread(self.read)
         except CollectError:
             self._view = None
             raise
@@ -320,13 +390,46 @@ class CgroupSource:
             0, f"--memory-limit ({reason})", self.memory_limit, None, None, None, room
         )
 
+    def _proc_cgroup(self, pid: int) -> str:
+        with open(f"{self.procfs_root}/{pid}/cgroup", encoding="utf-8") as fh:  # noqa: PTH123
+            return fh.read()
+
+    def _read_located(self, known: _Known) -> CgroupMemory:
+        if known.where.version == 2:
+            view, levels = _read_v2(known.base, known.parts, self.memory_limit, known.levels)
+            known.levels = levels
+            return view
+        return _read_v1(known.base, known.parts, self.memory_limit)
+
+    def _read_known(self) -> CgroupMemory | None:
+        """The cgroup located before, if it still is vLLM's: the same pid, the same
+        /proc/PID/cgroup, located less than LOCATE_REFRESH s ago and readable. None: locate
+        it afresh (`read`)."""
+        known = self._known
+        followed, _ = self._followed()
+        pid = followed if followed is not None else self.pid
+        if known is None or pid != known.pid or time.monotonic() - known.since > LOCATE_REFRESH:
+            return None
+        try:
+            if self._proc_cgroup(pid) != known.text:
+                return None
+            return self._read_located(known)
+        except (OSError, CollectError):
+            self._known = None  # read again, from the start, by read()
+            return None
+
     def read(self) -> CgroupMemory:
+        view = self._read_known()
+        return view if view is not None else self._locate_and_read()
+
+    def _locate_and_read(self) -> CgroupMemory:
+        self._known = None
         followed, used = self._followed()
         pid = followed if followed is not None else self.pid
         if pid is None:
             return self._without_cgroup("the vLLM process is not known yet", used)
         try:
-            text = (self.procfs_root / str(pid) / "cgroup").read_text(encoding="utf-8")
+            text = self._proc_cgroup(pid)
         except OSError as exc:
             return self._without_cgroup(
                 f"cannot read /proc/{pid}/cgroup: {exc.strerror or exc}", used
@@ -341,6 +444,7 @@ class CgroupSource:
         where = locate(self.cgroup_root, target, own)
         if isinstance(where, str):
             return self._without_cgroup(f"pid {pid}: {where}", used)
-        if where.version == 2:
-            return read_v2(where.base, where.rel, self.memory_limit)
-        return read_v1(where.base, where.rel, self.memory_limit)
+        known = _Known(pid, text, time.monotonic(), where, str(where.base), _parts(where.rel))
+        view = self._read_located(known)
+        self._known = known  # only once it could be read
+        return view

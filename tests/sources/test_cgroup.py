@@ -261,3 +261,35 @@ async def test_vanished_pid_without_limit_is_absent(tmp_path):
     cg = CgroupSource("t", pid=424242, procfs_root=proc, cgroup_root=CGROUP / "v2")
     assert not await execute(cg, 5.0)
     assert "424242" in (cg.health.error or "") and cg.health.errors_total == {}
+
+
+def test_memory_stat_parser_with_only_the_keys_used():
+    text = "anon 10\nfile 5\nshmem 3\nanon_thp 0\nshmem_thp x\n"
+    assert parse_memory_stat(text, frozenset({"anon", "shmem"})) == {"anon": 10, "shmem": 3}
+    assert parse_memory_stat(text) == {"anon": 10, "file": 5, "shmem": 3, "anon_thp": 0}
+    # "\r" ends a line for splitlines(): those texts take the line loop, same answer.
+    odd = "anon 10\r\nshmem 3\rfile 1\n"
+    assert parse_memory_stat(odd, frozenset({"anon", "shmem"})) == {"anon": 10, "shmem": 3}
+
+
+async def test_the_located_cgroup_is_kept_while_the_pid_and_its_cgroup_stay(tmp_path):
+    proc = build_proc(tmp_path)
+    tree = tmp_path / "v2"
+    shutil.copytree(CGROUP / "v2", tree)
+    cg = CgroupSource("t", pid=API, procfs_root=proc, cgroup_root=tree)
+    assert await execute(cg, 5.0)
+    first = cg.snapshot()
+    assert first is not None and first.limit == 32 * GIB
+    # /proc/self/cgroup is not read again while the pid and its cgroup stay the same.
+    (proc / "self" / "cgroup").unlink()
+    assert await execute(cg, 5.0)
+    assert cg.snapshot() == first
+    # vLLM moved to another cgroup (no limit there): located again at once.
+    (proc / str(API) / "cgroup").write_text("0::/system.slice/vllm.service\n")
+    assert await execute(cg, 5.0)
+    moved = cg.snapshot()
+    assert moved is not None and moved.limit is None and moved.path.endswith("vllm.service")
+    # Its files vanish (a read fails): located again, and absent like before.
+    shutil.rmtree(tree / "system.slice" / "vllm.service")
+    assert not await execute(cg, 5.0)
+    assert cg.snapshot() is None and "system.slice/vllm.service" in (cg.health.error or "")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, mul, sub, truediv
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,20 +30,71 @@ class PrefillFit:
         return None if self.stderr is None else self.seconds_per_token + 2 * self.stderr
 
 
-def _lstsq(columns: list[list[float]], y: list[float], min_det: float) -> list[float] | None:
+def _dot(a: list[float], b: list[float]) -> float:
+    """sum(a[i] * b[i]): the same products added in the same order as a generator sum,
+    so bit-identical, at C speed."""
+    if len(a) != len(b):
+        raise ValueError("vectors of different lengths")
+    total: float = sum(map(mul, a, b))
+    return total
+
+
+def _residuals(columns: list[list[float]], y: list[float], coef: list[float]) -> list[float]:
+    """y[i] - sum(coef[j] * columns[j][i] for j): the same additions in the same order as
+    that sum (which starts from the int 0), a column at a time. Callers square with `** 2`,
+    as before (pow, not r * r, keeps them bit-identical)."""
+    if len(coef) != len(columns) or any(len(col) < len(y) for col in columns):
+        raise ValueError("coefficients, columns and y do not match")
+    fitted: list[float] = [0] * len(y)  # sum()'s int start
+    for c, col in zip(coef, columns, strict=True):
+        fitted = list(map(add, fitted, map(mul, repeat(c), col)))
+    return list(map(sub, y, fitted))
+
+
+def _scaled(columns: list[list[float]], norms: list[float]) -> list[list[float]]:
+    return [list(map(truediv, col, repeat(n))) for col, n in zip(columns, norms, strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    """Columns scaled to unit norm, their norms and their Gram matrix."""
+
+    norms: list[float]
+    cols: list[list[float]]
+    gram: list[list[float]]
+
+
+def _unit(columns: list[list[float]]) -> _Unit | None:
+    """None when a column is all zeros. The Gram matrix is symmetric to the bit (the same
+    products, commuted, added in the same order): its lower half is the upper's."""
+    norms = [math.sqrt(sum(map(mul, col, col))) for col in columns]
+    if any(n <= 0 for n in norms):
+        return None
+    cols = _scaled(columns, norms)
+    k = len(cols)
+    gram = [[0.0] * k for _ in range(k)]
+    for i in range(k):
+        for j in range(i, k):
+            gram[i][j] = gram[j][i] = _dot(cols[i], cols[j])
+    return _Unit(norms, cols, gram)
+
+
+def _lstsq(
+    columns: list[list[float]], y: list[float], min_det: float
+) -> tuple[list[float], _Unit] | None:
     """Least squares without intercept; None when the columns are (nearly) collinear.
 
     Columns are scaled to unit norm first, so `min_det` bounds the determinant of a
     correlation-like Gram matrix: 1 for orthogonal regressors, 0 for collinear ones.
+    The scaled columns come back with the coefficients, for the covariance.
     """
     k = len(columns)
-    norms = [math.sqrt(sum(v * v for v in col)) for col in columns]
-    if any(n <= 0 for n in norms):
+    unit = _unit(columns)
+    if unit is None:
         return None
-    cols = [[v / n for v in col] for col, n in zip(columns, norms, strict=True)]
-    gram = [[sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols] for ci in cols]
-    rhs = [sum(a * b for a, b in zip(ci, y, strict=True)) for ci in cols]
-    m = [[*row, r] for row, r in zip(gram, rhs, strict=True)]
+    norms = unit.norms
+    rhs = [_dot(ci, y) for ci in unit.cols]
+    m = [[*row, r] for row, r in zip(unit.gram, rhs, strict=True)]
     det = 1.0
     for i in range(k):
         pivot = max(range(i, k), key=lambda r: abs(m[r][i]))
@@ -60,21 +113,21 @@ def _lstsq(columns: list[list[float]], y: list[float], min_det: float) -> list[f
     coef = [0.0] * k
     for i in reversed(range(k)):
         coef[i] = (m[i][k] - sum(m[i][c] * coef[c] for c in range(i + 1, k))) / m[i][i]
-    return [c / n for c, n in zip(coef, norms, strict=True)]
+    return [c / n for c, n in zip(coef, norms, strict=True)], unit
 
 
-def _inverse_gram(columns: list[list[float]]) -> list[list[float]] | None:
-    """(X^T X)^-1 by Gauss-Jordan on the unit-norm Gram matrix, then unscaled."""
+def _inverse_gram(
+    columns: list[list[float]], unit: _Unit | None = None
+) -> list[list[float]] | None:
+    """(X^T X)^-1 by Gauss-Jordan on the unit-norm Gram matrix, then unscaled. `unit`:
+    the columns' _unit() if already computed."""
     k = len(columns)
-    norms = [math.sqrt(sum(v * v for v in col)) for col in columns]
-    if any(n <= 0 for n in norms):
-        return None
-    cols = [[v / n for v in col] for col, n in zip(columns, norms, strict=True)]
-    m = [
-        [sum(a * b for a, b in zip(ci, cj, strict=True)) for cj in cols]
-        + [1.0 if i == j else 0.0 for j in range(k)]
-        for i, ci in enumerate(cols)
-    ]
+    if unit is None:
+        unit = _unit(columns)
+        if unit is None:
+            return None
+    norms = unit.norms
+    m = [row + [1.0 if i == j else 0.0 for j in range(k)] for i, row in enumerate(unit.gram)]
     for i in range(k):
         pivot = max(range(i, k), key=lambda r: abs(m[r][i]))
         if abs(m[pivot][i]) < 1e-12:
@@ -90,56 +143,71 @@ def _inverse_gram(columns: list[list[float]]) -> list[list[float]] | None:
 
 
 def _covariance(
-    columns: list[list[float]], y: list[float], coef: list[float]
+    columns: list[list[float]],
+    y: list[float],
+    coef: list[float],
+    unit: _Unit | None = None,
+    res: list[float] | None = None,
 ) -> list[list[float]] | None:
-    """Covariance of the least-squares coefficients: sigma^2 (X^T X)^-1."""
+    """Covariance of the least-squares coefficients: sigma^2 (X^T X)^-1. `unit` and `res`:
+    the columns' _unit() and the residuals, if already computed."""
     n, k = len(y), len(columns)
     if n <= k:
         return None
-    ss_res = sum(
-        (yi - sum(c * col[i] for c, col in zip(coef, columns, strict=True))) ** 2
-        for i, yi in enumerate(y)
-    )
-    inv = _inverse_gram(columns)
+    if res is None:
+        res = _residuals(columns, y, coef)
+    ss_res = sum(map(pow, res, repeat(2)))
+    inv = _inverse_gram(columns, unit)
     if inv is None:
         return None
     sigma2 = ss_res / (n - k)
     return [[sigma2 * v for v in row] for row in inv]
 
 
-def _robust_lstsq(
-    columns: list[list[float]], y: list[float], min_det: float
-) -> tuple[list[float], list[list[float]], list[float]] | None:
+@dataclass(frozen=True, slots=True)
+class _Fitted:
+    coef: list[float]
+    columns: list[list[float]]  # the points kept
+    y: list[float]
+    unit: _Unit  # of those columns
+    res: list[float]  # their residuals
+
+
+def _robust_lstsq(columns: list[list[float]], y: list[float], min_det: float) -> _Fitted | None:
     """Least squares, then once more without outliers (beyond 4 robust sigmas).
 
     A scrape interval that caught a warm-up request or a compile stall would otherwise
     drag the whole fit; the median absolute deviation is not moved by a few of them.
     """
-    coef = _lstsq(columns, y, min_det)
-    if coef is None:
+    first = _lstsq(columns, y, min_det)
+    if first is None:
         return None
-    res = [
-        yi - sum(c * col[i] for c, col in zip(coef, columns, strict=True)) for i, yi in enumerate(y)
-    ]
-    mad = sorted(abs(r) for r in res)[len(res) // 2] * 1.4826
+    coef, unit = first
+    res = _residuals(columns, y, coef)
+    whole = _Fitted(coef, columns, y, unit, res)
+    mad = sorted(map(abs, res))[len(res) // 2] * 1.4826
     if mad <= 0:
-        return coef, columns, y
-    keep = [i for i, r in enumerate(res) if abs(r) <= 4 * mad]
+        return whole
+    bound = 4 * mad
+    keep = [i for i, r in enumerate(res) if abs(r) <= bound]
     if len(keep) == len(y) or len(keep) < len(columns) + 2:
-        return coef, columns, y
+        return whole
     cols2 = [[col[i] for i in keep] for col in columns]
     y2 = [y[i] for i in keep]
-    coef2 = _lstsq(cols2, y2, min_det)
-    return (coef2, cols2, y2) if coef2 is not None else (coef, columns, y)
+    second = _lstsq(cols2, y2, min_det)
+    if second is None:
+        return whole
+    return _Fitted(second[0], cols2, y2, second[1], _residuals(cols2, y2, second[0]))
 
 
-def _r2(columns: list[list[float]], y: list[float], coef: list[float]) -> float:
-    syy = sum(v * v for v in y)
-    res = sum(
-        (yi - sum(c * col[i] for c, col in zip(coef, columns, strict=True))) ** 2
-        for i, yi in enumerate(y)
-    )
-    return max(0.0, 1.0 - res / syy) if syy > 0 else 0.0
+def _r2(
+    columns: list[list[float]], y: list[float], coef: list[float], res: list[float] | None = None
+) -> float:
+    syy = sum(map(mul, y, y))
+    if res is None:
+        res = _residuals(columns, y, coef)
+    ss_res = sum(map(pow, res, repeat(2)))
+    return max(0.0, 1.0 - ss_res / syy) if syy > 0 else 0.0
 
 
 def prefill_fit(points: list[tuple[float, ...]], min_points: int) -> PrefillFit | None:
@@ -160,21 +228,23 @@ def prefill_fit(points: list[tuple[float, ...]], min_points: int) -> PrefillFit 
     fitted = _robust_lstsq([n, t], y, 1e-3)
     if fitted is None:
         return None
-    (a, b), cols, yy = fitted
+    (a, b), cols, yy = fitted.coef, fitted.columns, fitted.y
+    res: list[float] | None = None
     if a < 0:
         tt = cols[1]
-        stt = sum(v * v for v in tt)
+        stt = sum(map(mul, tt, tt))
         if stt <= 0:
             return None
-        a, b = 0.0, sum(ti * yi for ti, yi in zip(tt, yy, strict=True)) / stt
+        a, b = 0.0, _dot(tt, yy) / stt
         cov = _covariance([tt], yy, [b])
         stderr = math.sqrt(cov[0][0]) if cov is not None and cov[0][0] >= 0 else None
     else:
-        cov = _covariance(cols, yy, [a, b])
+        res = fitted.res  # of these very coefficients
+        cov = _covariance(cols, yy, [a, b], fitted.unit, res)
         stderr = math.sqrt(cov[1][1]) if cov is not None and cov[1][1] >= 0 else None
     # b <= 0 is kept: a per-token cost below the noise can itself be the finding, when even
     # its upper bound is below what a reload costs (derive_engine decides).
-    return PrefillFit(a, b, len(yy), _r2(cols, yy, [a, b]), stderr)
+    return PrefillFit(a, b, len(yy), _r2(cols, yy, [a, b], res), stderr)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,12 +335,13 @@ def offload_fit(points: list[tuple[float, ...]], min_points: int) -> OffloadFit 
     fitted = _robust_lstsq([[p[i] for p in pts] for i in range(3)], [p[3] for p in pts], 1e-4)
     if fitted is None:
         return None
-    coef, cols, y = fitted
-    cov = _covariance(cols, y, coef)
+    coef, cols, y = fitted.coef, fitted.columns, fitted.y
+    cov = _covariance(cols, y, coef, fitted.unit, fitted.res)
     stderr = se_b = se_c = None
     if cov is not None:
         var = cov[1][1] + cov[2][2] - 2 * cov[1][2]
         stderr = math.sqrt(var) if var >= 0 else None
         se_b = math.sqrt(cov[1][1]) if cov[1][1] >= 0 else None
         se_c = math.sqrt(cov[2][2]) if cov[2][2] >= 0 else None
-    return OffloadFit(coef[0], coef[1], coef[2], len(y), _r2(cols, y, coef), stderr, se_b, se_c)
+    r2 = _r2(cols, y, coef, fitted.res)
+    return OffloadFit(coef[0], coef[1], coef[2], len(y), r2, stderr, se_b, se_c)

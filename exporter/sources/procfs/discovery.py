@@ -57,9 +57,25 @@ class ProcFS:
     def pids(self) -> list[int]:
         return sorted(int(e.name) for e in os.scandir(self._prefix) if e.name.isdigit())
 
+    def path(self, pid: int | str, name: str) -> str:
+        """str(root / str(pid) / name), joined as a string."""
+        return f"{self._prefix}/{pid}/{name}"
+
     def text(self, pid: int | str, name: str) -> str:
-        with open(f"{self._prefix}/{pid}/{name}", encoding="utf-8", errors="replace") as fh:  # noqa: PTH123
-            return fh.read()
+        """A file as text (UTF-8, bad bytes replaced, newlines universal as open() reads
+        them). Plain os.read: a text-mode file object cost more than reading /proc's
+        small pseudo-files."""
+        fd = os.open(self.path(pid, name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            chunks: list[bytes] = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        text = b"".join(chunks).decode("utf-8", "replace")
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        return text
 
     def cmdline(self, pid: int) -> tuple[str, ...]:
         return parse_cmdline((self.root / str(pid) / "cmdline").read_bytes())
@@ -115,6 +131,17 @@ class ProcFS:
         return out
 
 
+@dataclass(slots=True)
+class Member:
+    """A process of the tree as its last rescan saw it: its start time (-1: unknown) and
+    command line, which (but for a setproctitle title, see `Discovery.argv`) do not change
+    while it runs."""
+
+    starttime: int
+    argv: tuple[str, ...] | None = None  # read on first use
+    argv_name: str | None = None  # the status Name the argv was read under
+
+
 @dataclass(frozen=True, slots=True)
 class Root:
     """The target's vLLM root process, identified by pid and start time."""
@@ -160,6 +187,8 @@ class Discovery:
         self.root: Root | None = None  # the last root found (kept while a cycle is in flight)
         self._miss: tuple[float, CollectError] | None = None  # last failed discovery
         self._tree_cache: tuple[Root, float, list[int]] | None = None
+        self._members: dict[int, Member] = {}  # of the cached tree
+        self.generation = 0  # counts tree rescans: what is kept per tree keys on it
 
     def lost(self) -> None:
         """The root's processes are all gone: look for vLLM afresh next time."""
@@ -285,20 +314,41 @@ class Discovery:
         cached = self._tree_cache
         if cached is not None and cached[0] == root and now - cached[1] < TREE_REFRESH:
             return cached[2]
-        tree = self._tree(root.pid)
+        tree, starts = self._tree(root.pid)
         self._tree_cache = (root, now, tree)
+        self._members = {pid: Member(starts.get(pid, -1)) for pid in tree}
+        self.generation += 1
         return tree
 
-    def _tree(self, root: int) -> list[int]:
+    def starttime(self, pid: int) -> int:
+        """The member's start time as the last rescan read it; -1 if unknown."""
+        member = self._members.get(pid)
+        return member.starttime if member is not None else -1
+
+    def argv(self, pid: int, name: str) -> tuple[str, ...]:
+        """The member's command line, read once per tree rescan, and again when its
+        status Name (`name`) changes: setproctitle retitles both after a fork."""
+        member = self._members.get(pid)
+        if member is None:
+            return self.fs.argv(pid)
+        if member.argv is None or member.argv_name != name:
+            member.argv = self.fs.argv(pid)
+            member.argv_name = name
+        return member.argv
+
+    def _tree(self, root: int) -> tuple[list[int], dict[int, int]]:
+        """The root's tree (root first) and every listed process' start time."""
         children: dict[int, list[int]] = {}
+        starts: dict[int, int] = {}
         for pid in self.fs.pids():
             st = self.fs.stat(pid)
             if st is not None:
                 children.setdefault(st.ppid, []).append(pid)
+                starts[pid] = st.starttime
         out: list[int] = []
         todo = [root]
         while todo:
             pid = todo.pop()
             out.append(pid)
             todo.extend(children.get(pid, ()))
-        return out
+        return out, starts

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -56,13 +57,26 @@ def _kb(fields: Mapping[str, str], key: str) -> int | None:
     return value * KIB if unit.strip() == "kB" else value
 
 
+_STATUS_RE = re.compile(
+    r"^(Name|State|Pid|PPid|VmLck|VmPin|VmRSS|RssAnon|RssFile|RssShmem):(.*)$", re.MULTILINE
+)
+# Line breaks of str.splitlines() other than "\n": with none of them, the regex's lines
+# are splitlines()' lines.
+_ODD_BREAKS_RE = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
 def parse_status(text: str) -> ProcStatus:
     """/proc/PID/status -> sizes in bytes (None for fields the kernel does not show)."""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields[key] = value.strip()
+    fields: dict[str, str]
+    if _ODD_BREAKS_RE.search(text) is None:
+        # The ten fields used, found in C: the other ~50 lines are never split.
+        fields = {key: value.strip() for key, value in _STATUS_RE.findall(text)}
+    else:
+        fields = {}
+        for line in text.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key] = value.strip()
     pid = int(fields.get("Pid", "0") or 0)
     ppid_raw = fields.get("PPid")
     return ProcStatus(
@@ -159,6 +173,50 @@ def parse_smaps(text: str) -> list[SmapsEntry]:
         elif key == "Locked":
             locked = int(value.split()[0]) * KIB
     flush()
+    return out
+
+
+# The header of a shared writable mapping (kernel layout: "start-end perms offset dev inode
+# path"), the only kind is_pinned_mapping() takes; and any mapping's header, which ends it.
+_SHARED_RW_HEADER_RE = re.compile(
+    r"^([0-9a-fA-F]+)-([0-9a-fA-F]+) +(rw.s) +([0-9a-fA-F]+) +(\S+) +(\d+)(?:[ \t]+([^\n]*))?$",
+    re.MULTILINE,
+)
+_HEADER_RE = re.compile(r"^[0-9a-fA-F]+-[0-9a-fA-F]+ ", re.MULTILINE)
+_RSS_RE = re.compile(r"^Rss:(.*)$", re.MULTILINE)
+_LOCKED_RE = re.compile(r"^Locked:(.*)$", re.MULTILINE)
+
+
+def pinned_mappings(text: str) -> list[SmapsEntry]:
+    """The mappings of /proc/PID/smaps that is_pinned_mapping() takes, as parse_smaps()
+    reads them, without splitting the rest: one regex finds the shared writable mappings'
+    headers (a few among vLLM's thousands of mappings), and only their blocks are read."""
+    out: list[SmapsEntry] = []
+    for head in _SHARED_RW_HEADER_RE.finditer(text):
+        lo, hi, perms, offset, dev, inode, path = head.groups()
+        path = path.strip() if path else ""
+        if path != SHARED_ANON_PATH and not path.startswith(OFFLOAD_SHM_PREFIX):
+            continue
+        nxt = _HEADER_RE.search(text, head.end())
+        stop = nxt.start() if nxt is not None else len(text)
+        rss = locked = 0
+        for m in _RSS_RE.finditer(text, head.end(), stop):
+            rss = int(m.group(1).split()[0]) * KIB
+        for m in _LOCKED_RE.finditer(text, head.end(), stop):
+            locked = int(m.group(1).split()[0]) * KIB
+        out.append(
+            SmapsEntry(
+                start=int(lo, 16),
+                end=int(hi, 16),
+                perms=perms,
+                offset=int(offset, 16),
+                dev=dev,
+                inode=int(inode),
+                path=path,
+                rss=rss,
+                locked=locked,
+            )
+        )
     return out
 
 

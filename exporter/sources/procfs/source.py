@@ -2,9 +2,11 @@
 
 Each collection finds the vLLM process tree (discovery.py), reads every member's status and
 (every SMAPS_REFRESH seconds) its pinned-candidate mappings, sizes the offload pool and
-/dev/shm, and reads the launch configuration from the server's command line. The result is
-a frozen `ProcfsSnapshot` (`snapshot()`); parsing is in parsers.py, rendering in
-exporter/render/procfs.py.
+/dev/shm. The members' command lines and start times are read with the tree (every
+TREE_REFRESH seconds, or when a member exits), and the launch configuration from the
+server's command line once per root process and tree rescan: only `status` is read per
+process each cycle. The result is a frozen `ProcfsSnapshot` (`snapshot()`); parsing is in
+parsers.py, rendering in exporter/render/procfs.py.
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ from exporter.sources.procfs.parsers import (
     SmapsEntry,
     StatVfs,
     dev_shm_usage,
-    is_pinned_mapping,
     offload_pool,
-    parse_smaps,
     parse_status,
+    pinned_mappings,
     role_of,
 )
 from exporter.vllm_cmdline import LaunchConfig, launch_config
@@ -110,6 +111,9 @@ class ProcfsSource:
         self._snapshot: ProcfsSnapshot | None = None
         self._smaps_cache: dict[int, tuple[tuple[int, int], float, list[SmapsEntry] | None]] = {}
         self._denied_logged: set[int] = set()
+        self._launch_cache: tuple[tuple[Root, int], tuple[str, ...], LaunchConfig | None] | None = (
+            None
+        )
 
     @property
     def port(self) -> int | None:
@@ -146,16 +150,17 @@ class ProcfsSource:
         readable."""
         try:
             status = parse_status(self.fs.text(pid, "status"))
-            argv = self.fs.argv(pid)
         except OSError as exc:
             if vanished(exc):
                 return None
             raise CollectError(ErrorKind.UNAVAILABLE, f"pid {pid} status: {exc}") from None
         if status.state == "Z":
             return None
+        # Only status is read every cycle: the command line and start time are the tree
+        # rescan's (discovery.py), which the exit of any member forces.
+        argv = self.discovery.argv(pid, status.name)
         maps: list[SmapsEntry] | None
-        st = self.fs.stat(pid)
-        ident = (pid, st.starttime if st is not None else -1)
+        ident = (pid, self.discovery.starttime(pid))
         cached = self._smaps_cache.get(pid)
         now = time.monotonic()
         if cached is not None and cached[0] == ident and now - cached[1] < SMAPS_REFRESH:
@@ -164,18 +169,16 @@ class ProcfsSource:
             maps = cached[2]
         else:
             try:
-                maps = parse_smaps(self.fs.text(pid, "smaps"))
+                maps = pinned_mappings(self.fs.text(pid, "smaps"))
             except OSError as exc:
                 if vanished(exc) and not (self.fs.root / str(pid)).exists():
                     return None
                 maps = None  # EACCES without ptrace rights: pinned stays unknown
             except (ValueError, IndexError):
                 maps = None
-            if maps is not None:
-                maps = [m for m in maps if is_pinned_mapping(m)]
             self._smaps_cache[pid] = (ident, now, maps)
         role = role_of(status.name, argv, listener=pid == root.pid and root.method == "port")
-        pinned_maps = tuple(m for m in maps or () if is_pinned_mapping(m))
+        pinned_maps = tuple(maps or ())  # pinned_mappings() keeps only those
         mem = ProcessMemory(
             pid=pid,
             role=role,
@@ -205,12 +208,22 @@ class ProcfsSource:
 
     def _dev_shm(self, root_pid: int) -> tuple[int, int] | None:
         # The vLLM process' own view first (its mount namespace), then ours.
-        for path in (self.fs.root / str(root_pid) / "root" / "dev" / "shm", self.shm):
+        for path in (self.fs.path(root_pid, "root/dev/shm"), str(self.shm)):
             try:
-                return dev_shm_usage(self.statvfs, str(path))
+                return dev_shm_usage(self.statvfs, path)
             except OSError:
                 continue
         return None
+
+    def _launch(self, root: Root) -> tuple[tuple[str, ...], LaunchConfig | None]:
+        """The server's command line and launch configuration, read once per root process
+        and tree rescan (a restart is a new root; the flags of a running one do not change)."""
+        key = (root, self.discovery.generation)
+        if self._launch_cache is None or self._launch_cache[0] != key:
+            argv, environ = server_command(self.fs, root.pid)
+            launch = launch_config(argv, environ) if argv else None
+            self._launch_cache = (key, argv, launch)
+        return self._launch_cache[1], self._launch_cache[2]
 
     def read(self) -> ProcfsSnapshot:
         root = self.discovery.find()
@@ -242,7 +255,7 @@ class ProcfsSource:
             )
             self._denied_logged |= new_denied
         shm_files = self._shm_files()
-        argv, environ = server_command(self.fs, root.pid)
+        argv, launch = self._launch(root)
         all_maps = [m for p in processes for m in p.maps]
         pool = offload_pool(all_maps, shm_files)
         if pool is None and len(denied) == len(processes) and self.single_target and shm_files:
@@ -255,6 +268,6 @@ class ProcfsSource:
             dev_shm=self._dev_shm(root.pid),
             pool=pool,
             smaps_denied=tuple(denied),
-            launch=launch_config(argv, environ) if argv else None,
+            launch=launch,
             argv=argv,
         )

@@ -34,3 +34,25 @@ def test_prefill_fit_refuses_when_request_size_never_varies():
 
 def test_prefill_fit_needs_enough_points():
     assert prefill_fit([(1.0, 10.0, 0.1), (2.0, 100.0, 0.3)], 4) is None
+
+
+def test_residuals_and_dot_are_the_generator_sums_bit_for_bit():
+    # map(operator.mul) in place of generator sums: the same additions in the same order
+    # (from the int 0), so every fit is bit-identical to the generator form.
+    from exporter.model.derive.fits import _dot, _residuals
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 40)
+        cols = [[rng.choice([0.0, -0.0, rng.uniform(-1e6, 1e6)]) for _ in range(n)] for _ in "abc"]
+        y = [rng.choice([0.0, -0.0, rng.uniform(-1e3, 1e3)]) for _ in range(n)]
+        coef = [rng.uniform(-1, 1) for _ in cols]
+        want = [
+            yi - sum(c * col[i] for c, col in zip(coef, cols, strict=True))
+            for i, yi in enumerate(y)
+        ]
+        got = _residuals(cols, y, coef)
+        assert [repr(v) for v in got] == [repr(v) for v in want]  # -0.0 too
+        assert repr(_dot(cols[0], y)) == repr(sum(a * b for a, b in zip(cols[0], y, strict=True)))
+    with pytest.raises(ValueError):
+        _dot([1.0], [1.0, 2.0])

@@ -186,3 +186,24 @@ async def test_vllm_restart_is_rediscovered(tmp_path):
     assert await execute(src, 5.0)
     snap = src.snapshot()
     assert snap is not None and snap.root_pid == 4000
+
+
+async def test_argv_is_kept_with_the_tree_and_read_again_when_a_process_retitles(tmp_path):
+    proc = build_proc(tmp_path)
+    src = source(proc)
+    assert await execute(src, 5.0)
+    snap = src.snapshot()
+    assert snap is not None and {p.pid: p.role for p in snap.processes}[TRACKER] == "other"
+    # A forked child retitles itself (setproctitle): new cmdline and new status Name.
+    (proc / str(TRACKER) / "cmdline").write_bytes(b"VLLM::Worker_TP0" + b" " * 20 + b"\0")
+    assert await execute(src, 5.0)
+    snap = src.snapshot()
+    assert snap is not None and {p.pid: p.role for p in snap.processes}[TRACKER] == "other"
+    status = (proc / str(TRACKER) / "status").read_text()
+    (proc / str(TRACKER) / "status").write_text(
+        status.replace("Name:\tpython3", "Name:\tVLLM::Worker_TP")
+    )
+    assert await execute(src, 5.0)
+    snap = src.snapshot()
+    assert snap is not None and {p.pid: p.role for p in snap.processes}[TRACKER] == "worker"
+    assert src.discovery.starttime(TRACKER) == 1000 + TRACKER

@@ -13,6 +13,7 @@ from exporter.sources.procfs.parsers import (
     cmdline_port,
     dev_shm_usage,
     is_api_server,
+    is_pinned_mapping,
     offload_pool,
     parse_cmdline,
     parse_net_tcp,
@@ -21,6 +22,7 @@ from exporter.sources.procfs.parsers import (
     parse_stat,
     parse_status,
     pinned_bytes,
+    pinned_mappings,
     role_of,
     url_port,
 )
@@ -204,3 +206,51 @@ def test_pool_from_dev_shm_files_uses_file_sizes():
         [region, same_in_worker, pinned_tensor], [ShmFile("vllm_offload_4f2a.mmap", 3 * GIB)]
     )
     assert pool == PoolEstimate(3 * GIB, "dev_shm_files", 1)
+
+
+def test_pinned_mappings_are_the_pinned_ones_parse_smaps_finds():
+    # The source reads only these (one regex for the shared writable headers).
+    for run in ("a_nooffload", "b_offload"):
+        for who in ("engine", "api"):
+            text = (SMAPS / f"vllm-0.26.0-h200-{run}" / f"{who}_smaps.txt").read_text()
+            want = [m for m in parse_smaps(text) if is_pinned_mapping(m)]
+            assert pinned_mappings(text) == want
+    assert (
+        len(
+            pinned_mappings((SMAPS / "vllm-0.26.0-h200-b_offload" / "engine_smaps.txt").read_text())
+        )
+        >= 28
+    )
+    text = (
+        "7f3a40000000-7f3a42000000 rw-s 00000000 00:01 5121   /dev/zero (deleted)  \n"
+        "Rss:               32768 kB\nLocked:               4 kB\n"
+        "7f3a42000000-7f3a43000000 r--s 00000000 00:01 5122 /dev/zero (deleted)\n"
+        "Rss:                   4 kB\n"
+        "7f3a50000000-7f3a51000000 rw-s 00001000 00:1a 77 /dev/shm/vllm_offload_0.mmap\n"
+        "7f3a60000000-7f3a61000000 rw-s 00000000 00:1a 78 /dev/shm/other\n"
+        "Rss:               16384 kB\n"
+    )
+    want = [m for m in parse_smaps(text) if is_pinned_mapping(m)]
+    assert [(m.path, m.rss, m.locked) for m in want] == [
+        ("/dev/zero (deleted)", 32 * MIB, 4 * KIB),
+        ("/dev/shm/vllm_offload_0.mmap", 0, 0),  # its block ends at the next header
+    ]
+    assert pinned_mappings(text) == want
+
+
+def test_status_with_other_line_breaks_reads_as_splitlines_does():
+    plain = "Name:\tpython3\nState:\tS (sleeping)\nPid:\t7\nPPid:\t1\nVmRSS:\t  12 kB\n"
+    st = parse_status(plain)
+    assert (st.name, st.state, st.pid, st.ppid, st.resident, st.anon) == (
+        "python3",
+        "S",
+        7,
+        1,
+        12 * KIB,
+        None,
+    )
+    # A "\r" or "\u2028" (a thread name may hold one) ends a line for splitlines(): the
+    # fast path hands such text to the line loop.
+    odd = "Name:\tpy\u2028VmRSS: 3 kB\nState:\tR\r\nRssAnon:\t2 kB\n"
+    st = parse_status(odd)
+    assert (st.name, st.resident, st.state, st.anon) == ("py", 3 * KIB, "R", 2 * KIB)

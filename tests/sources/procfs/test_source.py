@@ -64,6 +64,11 @@ async def test_snapshot_carries_the_launch_config_of_the_vllm_server(tmp_path):
     assert lc is not None and lc.connector == "OffloadingConnector"
     assert lc.offloading_size_gib == 0.5 and not lc.environ_read
     (proc / str(API) / "environ").write_bytes(b"VLLM_USE_SIMPLE_KV_OFFLOAD=1\0UCX_TLS=rc\0")
+    # Read once per root process and tree rescan, not every cycle (a running server's
+    # flags do not change): the same until the tree is rescanned.
+    assert await execute(src, 5.0)
+    assert _snap(src).launch == lc
+    src.discovery.forget_tree()
     assert await execute(src, 5.0)
     lc = _snap(src).launch
     assert lc is not None and (lc.connector, lc.ucx_tls) == ("SimpleCPUOffloadConnector", "rc")
