@@ -177,33 +177,51 @@ def parse_smaps(text: str) -> list[SmapsEntry]:
 
 
 # The header of a shared writable mapping (kernel layout: "start-end perms offset dev inode
-# path"), the only kind is_pinned_mapping() takes; and any mapping's header, which ends it.
+# path"), the only kind is_pinned_mapping() takes, matched on a line found by its perms.
 _SHARED_RW_HEADER_RE = re.compile(
-    r"^([0-9a-fA-F]+)-([0-9a-fA-F]+) +(rw.s) +([0-9a-fA-F]+) +(\S+) +(\d+)(?:[ \t]+([^\n]*))?$",
-    re.MULTILINE,
+    r"([0-9a-fA-F]+)-([0-9a-fA-F]+) (rw[-x]s) +([0-9a-fA-F]+) +(\S+) +(\d+)(?:[ \t]+(.*))?"
 )
-_HEADER_RE = re.compile(r"^[0-9a-fA-F]+-[0-9a-fA-F]+ ", re.MULTILINE)
-_RSS_RE = re.compile(r"^Rss:(.*)$", re.MULTILINE)
-_LOCKED_RE = re.compile(r"^Locked:(.*)$", re.MULTILINE)
+_SHARED_RW_PERMS = (" rw-s ", " rwxs ")
+_HEADER_RE = re.compile(r"\n[0-9a-fA-F]+-[0-9a-fA-F]+ ")  # any mapping's: it ends a block
+_FIELDS_RE = re.compile(r"\n(Rss|Locked):(.*)")
+
+
+def _shared_rw_lines(text: str) -> list[int]:
+    """Where the lines holding a shared writable perms field start (str.find, in C)."""
+    starts: set[int] = set()
+    for perms in _SHARED_RW_PERMS:
+        at = text.find(perms)
+        while at >= 0:
+            starts.add(text.rfind("\n", 0, at) + 1)
+            at = text.find(perms, at + 1)
+    return sorted(starts)
 
 
 def pinned_mappings(text: str) -> list[SmapsEntry]:
     """The mappings of /proc/PID/smaps that is_pinned_mapping() takes, as parse_smaps()
-    reads them, without splitting the rest: one regex finds the shared writable mappings'
-    headers (a few among vLLM's thousands of mappings), and only their blocks are read."""
+    reads them from the kernel's layout, without splitting the rest: the shared writable
+    mappings' headers are found by their perms field (a few among vLLM's thousands of
+    mappings), and only their blocks are read."""
     out: list[SmapsEntry] = []
-    for head in _SHARED_RW_HEADER_RE.finditer(text):
+    for start in _shared_rw_lines(text):
+        stop = text.find("\n", start)
+        stop = len(text) if stop < 0 else stop
+        head = _SHARED_RW_HEADER_RE.fullmatch(text, start, stop)
+        if head is None:
+            continue
         lo, hi, perms, offset, dev, inode, path = head.groups()
         path = path.strip() if path else ""
         if path != SHARED_ANON_PATH and not path.startswith(OFFLOAD_SHM_PREFIX):
             continue
-        nxt = _HEADER_RE.search(text, head.end())
-        stop = nxt.start() if nxt is not None else len(text)
+        nxt = _HEADER_RE.search(text, stop)
+        end = nxt.start() if nxt is not None else len(text)
         rss = locked = 0
-        for m in _RSS_RE.finditer(text, head.end(), stop):
-            rss = int(m.group(1).split()[0]) * KIB
-        for m in _LOCKED_RE.finditer(text, head.end(), stop):
-            locked = int(m.group(1).split()[0]) * KIB
+        for m in _FIELDS_RE.finditer(text, stop, end):
+            value = int(m.group(2).split()[0]) * KIB
+            if m.group(1) == "Rss":
+                rss = value
+            else:
+                locked = value
         out.append(
             SmapsEntry(
                 start=int(lo, 16),
