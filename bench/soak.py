@@ -114,7 +114,9 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def judge(samples: Sequence[Sample], warmup: float, tolerance: float) -> list[Verdict]:
-    """First third vs last third of the samples after warm-up, per quantity."""
+    """First third vs last third of the samples after warm-up, per quantity. A leak is
+    growth: a quantity that ends lower than it began (memory returned, a queue drained
+    faster) is flat."""
     after = [s for s in samples if s.t >= warmup]
     if len(after) < 3:
         raise ValueError(f"only {len(after)} samples after warm-up; run longer")
@@ -135,7 +137,7 @@ def judge(samples: Sequence[Sample], warmup: float, tolerance: float) -> list[Ve
                 drift=(last - first) / first if first else 0.0,
                 slope_per_hour=slope,
                 allowed=allowed,
-                flat=abs(last - first) <= allowed,
+                flat=last - first <= allowed,
             )
         )
     return out
