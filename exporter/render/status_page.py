@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
+from exporter.model.advisor.types import ACTION_INFO, Action, Tone
 from exporter.render.svg import (
     GIB,
     Axis,
@@ -96,29 +97,25 @@ class StatusView:
 
 # ------------------------------------------------------------------------------ the card
 
-ACTION_TEXT = {
-    "enable_offload": "Enable CPU offload",
-    "grow_buffer": "Grow the CPU buffer",
-    "shrink_buffer": "Shrink the CPU buffer",
-    "raise_store_threshold": "Raise store_threshold",
-    "disable_offload": "Turn offload off",
-    "reduce_buffer_oom_risk": "Reduce the buffer: OOM risk",
-    "keep": "Keep offload as it is",
-    "no_action": "No change needed",
-    "insufficient_data": "Not enough evidence yet",
-}
-# Card colour by what the operator should do: change something, keep, or wait.
-ACTION_TONE = {
-    "enable_offload": "change",
-    "grow_buffer": "change",
-    "shrink_buffer": "change",
-    "raise_store_threshold": "change",
-    "disable_offload": "warn",
-    "reduce_buffer_oom_risk": "warn",
-    "keep": "ok",
-    "no_action": "ok",
-    "insufficient_data": "wait",
-}
+# Card colour by what the operator should do: change something, heed a warning, keep, wait.
+_CARD_TONE = {Tone.INFO: "change", Tone.WARN: "change", Tone.BAD: "warn", Tone.OK: "ok"}
+
+
+def action_text(action: str) -> str:
+    """The card's headline for an action (exporter/model/advisor/types.py ACTION_INFO)."""
+    try:
+        return ACTION_INFO[Action(action)].headline
+    except ValueError:  # an /advice document from another version: show the code
+        return action
+
+
+def action_tone(action: str) -> str:
+    try:
+        return _CARD_TONE.get(ACTION_INFO[Action(action)].tone, "wait")
+    except ValueError:
+        return "wait"
+
+
 NUMBER_LABELS = {
     "window_covered_seconds": ("window covered", "s"),
     "prompt_tokens": ("prompt tokens in the window", "n"),
@@ -256,7 +253,7 @@ def render_text(card: Card, now: float | None = None, width: int = 96) -> str:
     """The card for a terminal: what to do, why, the what-if curve and the numbers."""
     now = time.time() if now is None else now
     lines = [f"{card.target}  {card.model_name}  engine {card.engine}"]
-    head = f"  {ACTION_TEXT.get(card.action, card.action)}: {card.action} ({card.reason})"
+    head = f"  {action_text(card.action)}: {card.action} ({card.reason})"
     if card.since is not None:
         head += f", since {fmt_clock(card.since)} UTC ({_ago(now, card.since)})"
     lines.append(head)
@@ -457,7 +454,7 @@ def _chart_figure(c: Chart, t0: float, t1: float) -> str:
 
 
 def _card_html(card: Card, now: float) -> str:
-    tone = ACTION_TONE.get(card.action, "wait")
+    tone = action_tone(card.action)
     configured, recommended = _buffers(card)
     since = (
         f'<time datetime="{escape(_iso(card.since))}">{escape(fmt_clock(card.since))} UTC</time>'
@@ -483,7 +480,7 @@ def _card_html(card: Card, now: float) -> str:
     )
     return (
         f'<article class="card {tone}" data-action="{escape(card.action)}">'
-        f'<p class="action">{escape(ACTION_TEXT.get(card.action, card.action))}</p>'
+        f'<p class="action">{escape(action_text(card.action))}</p>'
         f"<p><code>{escape(card.action)}</code> "
         f'<span class="reason">{escape(card.reason)}</span></p>'
         '<dl class="buffers">'

@@ -72,6 +72,7 @@ class ActionInfo:
     title: str  # the dashboards' value-mapping text
     tone: Tone
     meaning: str  # one line: docs/advisor.md's "when" column
+    headline: str = ""  # what to do, as the status page's card and `advise` say it
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,38 +92,51 @@ ACTION_INFO: Mapping[Action, ActionInfo] = MappingProxyType(
             Tone.WARN,
             "offload off; evicted prefixes are recomputed, a CPU tier of the recommended size "
             "would serve them, and reloading is clearly faster than recomputing",
+            headline="Enable CPU offload",
         ),
         Action.GROW_BUFFER: ActionInfo(
             "grow buffer",
             Tone.WARN,
             "offload on; the what-if reaches a materially higher hit ratio with a larger buffer "
             "that fits the memory headroom",
+            headline="Grow the CPU buffer",
         ),
         Action.SHRINK_BUFFER: ActionInfo(
             "shrink buffer",
             Tone.INFO,
             "offload on; a smaller buffer reaches about the same hit ratio",
+            headline="Shrink the CPU buffer",
         ),
         Action.RAISE_STORE_THRESHOLD: ActionInfo(
             "raise store threshold",
             Tone.INFO,
             "offload on and paying; most stores are never loaded, and storing only prefixes "
             "seen twice would keep the hits",
+            headline="Raise store_threshold",
         ),
         Action.DISABLE_OFFLOAD: ActionInfo(
-            "disable offload", Tone.BAD, "offload on and it does not pay"
+            "disable offload",
+            Tone.BAD,
+            "offload on and it does not pay",
+            headline="Turn offload off",
         ),
         Action.REDUCE_BUFFER_OOM_RISK: ActionInfo(
             "reduce buffer (OOM risk)",
             Tone.BAD,
             "the container is near its memory limit with a pinned pool",
+            headline="Reduce the buffer: OOM risk",
         ),
-        Action.KEEP: ActionInfo("keep", Tone.OK, "offload on and it pays"),
-        Action.NO_ACTION: ActionInfo("no action", Tone.OK, "offload off, and it would not help"),
+        Action.KEEP: ActionInfo(
+            "keep", Tone.OK, "offload on and it pays", headline="Keep offload as it is"
+        ),
+        Action.NO_ACTION: ActionInfo(
+            "no action", Tone.OK, "offload off, and it would not help", headline="No change needed"
+        ),
         Action.INSUFFICIENT_DATA: ActionInfo(
             "insufficient data",
             Tone.NEUTRAL,
             "the evidence is missing; the explanation says what is needed and how much more",
+            headline="Not enough evidence yet",
         ),
     }
 )

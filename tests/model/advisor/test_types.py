@@ -82,3 +82,10 @@ def test_advisor_input_defaults_to_no_whatif_memory_pcie_or_policies() -> None:
     assert state.configured_hit_ratio is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         state.points = ()  # type: ignore[misc]
+
+
+def test_every_action_has_a_distinct_headline_for_the_status_page() -> None:
+    from exporter.model.advisor.types import ACTION_INFO
+
+    heads = [info.headline for info in ACTION_INFO.values()]
+    assert all(heads) and len(set(heads)) == len(heads)
