@@ -1010,6 +1010,16 @@ def test_matrix_recordings_have_the_replay_format() -> None:
         assert set(first) == {"topic", "seq", "payload"} and len(first["payload"]) == 3
         stored = next(e for e in first["payload"][1] if e.get("type") == "BlockStored")
         assert all(isinstance(h, int) for h in stored["block_hashes"])
+        # compacted (matrix.py compact): the token ids are the sequence's blocks, by block id
+        assert meta[mk.COMPACT_KEY]["identified"] == meta[mk.COMPACT_KEY]["hashes"]
+        assert not any(stored["token_ids"]) and len(stored["block_ids"]) == len(
+            stored["block_hashes"]
+        )
+        blocks = mk.workload_block_ids(
+            [*(r.prompt for r in mk.generate(sc)), *mk.warmup_prompts(sc)], 16
+        )
+        toks = mk.restore_token_ids(first, blocks)["payload"][1][0]["token_ids"]
+        assert toks == mk.warmup_prompts(sc)[0][: len(toks)]  # vLLM's first store: the warmup
         reqs = matrix.load_requests(d)
         assert [r["i"] for r in reqs] == list(range(meta["traffic"]["planned_requests"]))
         assert [r["sent_tokens"] for r in reqs] == [len(r.prompt) for r in mk.generate(sc)]
@@ -1017,3 +1027,92 @@ def test_matrix_recordings_have_the_replay_format() -> None:
     session1 = ("qwen3-8b-rag-zipf-cpu64k", "qwen3-8b-chat-cpu64k", "qwen3-0.6b-rag-zipf-cpu64k")
     assert [pairs[n]["verdict"] for n in session1] == ["costs", "neutral", "costs"]
     assert pairs["qwen3-8b-rag-zipf-cpu64k"]["matched"] == 761
+
+
+def _stored(hashes: list[int], parent: int | None, toks: list[int], medium: str = "GPU") -> dict:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": toks,
+        "block_size": 4 if toks else 0,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "extra_keys": [None] * len(hashes) if toks else None,
+        "group_idx": 0,
+    }
+
+
+def _rec(seq: int, *events: dict) -> dict:
+    return {"topic": "kv", "seq": seq, "payload": [1000.0 + seq, list(events), 0]}
+
+
+def test_compact_kv_records_keeps_every_decoded_value_and_the_block_identity() -> None:
+    """Token ids of the workload's blocks go (zeros of the same length, their ids as
+    block_ids); hashes and everything the codec decodes stay; two runs of one workload name
+    each block alike whatever order they store it in; a compacted run comes back unchanged."""
+    from exporter.kvevents_codec import decode_record
+
+    doc_a, doc_b, tail = [101, 102, 103, 104], [105, 106, 107, 108], [109, 110, 111, 112]
+    blocks = mk.workload_block_ids([doc_a + doc_b + [1, 2], doc_a + tail], 4)
+    assert len(blocks.tokens) == 3 and blocks.tokens[2] == tuple(tail)
+    ha, hb, ht, hx = 17290714723464915149, 5350521962767892701, 13959774257468459107, 99
+    run1 = [
+        _rec(0, _stored([ha, hb], None, doc_a + doc_b)),
+        _rec(1, _stored([ht], ha, tail), {"type": "BlockRemoved", "block_hashes": [hb]}),
+        _rec(2, _stored([hx], ht, [200, 201, 202, 203])),  # not the workload's: left alone
+        _rec(3, _stored([ha], None, [], medium="CPU"), {"type": "AllBlocksCleared"}),
+    ]
+    run2 = [_rec(0, _stored([ha], None, doc_a)), _rec(1, _stored([ht], ha, tail))]
+    out1, st1 = mk.compact_kv_records(run1, blocks)
+    out2, _ = mk.compact_kv_records(run2, blocks)
+    assert st1 == mk.CompactStats(hashes=4, identified=3, zeroed_events=2)
+    ev = out1[0]["payload"][1][0]
+    assert ev["token_ids"] == [0] * 8 and ev["block_ids"] == [1, 2]
+    assert ev["block_hashes"] == [ha, hb]  # the simulator reads hash values, not just identity
+    assert out1[1]["payload"][1][0]["block_ids"] == out2[1]["payload"][1][0]["block_ids"] == [3]
+    assert out2[0]["payload"][1][0]["block_ids"] == [1]
+    assert out1[2] == run1[2] and out1[3] == run1[3]
+    for a, b in zip(run1, out1, strict=True):
+        assert decode_record(json.dumps(a)).batch == decode_record(json.dumps(b)).batch
+        assert mk.restore_token_ids(b, blocks) == a
+    assert mk.compact_kv_records(out1, blocks) == (out1, mk.CompactStats(4, 0, 0))
+    clash = [_rec(0, _stored([ha], None, doc_a)), _rec(1, _stored([ha], None, doc_b))]
+    blocks2 = mk.workload_block_ids([doc_a, doc_b], 4)
+    with pytest.raises(ValueError, match="one to one"):
+        mk.compact_kv_records(clash, blocks2)
+
+
+def test_matrix_compact_rewrites_a_run_once(tmp_path: Path) -> None:
+    """`matrix.py compact`: the scenario's own prompts name the blocks; the marker in meta.json
+    makes a second call a no-op; metrics keep their lines."""
+    sc = SCENARIOS["qwen3-8b-long-context-none"]
+    prompt = list(mk.generate(sc)[0].prompt[:48])
+    d = tmp_path / sc.name
+    d.mkdir()
+    wl = {"seed": sc.workload.seed, "params": sc.workload.params}
+    (d / "meta.json").write_text(
+        json.dumps({"scenario": sc.name, "workload": wl, "block_size": 16})
+    )
+    ev = {**_stored([7 << 40, 8 << 40, 9 << 40], None, prompt), "block_size": 16}
+    lines = [
+        json.dumps(_rec(0, ev)),
+        json.dumps(_rec(1, {"type": "BlockRemoved", "block_hashes": [9 << 40]})),
+    ]
+    (d / "kv_events.jsonl.xz").write_bytes(lzma.compress(("\n".join(lines) + "\n").encode()))
+    metrics = "".join(json.dumps({"t": float(t), "body": "a 1\n"}) + "\n" for t in range(50))
+    (d / "metrics.jsonl.xz").write_bytes(lzma.compress(metrics.encode(), preset=0))
+    assert matrix.main(["compact", str(tmp_path)]) == 0
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta[mk.COMPACT_KEY]["scheme"] == mk.COMPACT_SCHEME
+    assert meta[mk.COMPACT_KEY]["identified"] == 3
+    with lzma.open(d / "kv_events.jsonl.xz", "rt") as fh:
+        got = [json.loads(x) for x in fh]
+    assert got[0]["payload"][1][0]["token_ids"] == [0] * 48
+    assert got[0]["payload"][1][0]["block_ids"] == [1, 2, 3]  # the sequence's first blocks
+    assert json.dumps(got[1]) == lines[1]
+    assert lzma.decompress((d / "metrics.jsonl.xz").read_bytes()).decode() == metrics
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    assert matrix.main(["compact", str(d)]) == 0
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before

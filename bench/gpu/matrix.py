@@ -5,6 +5,7 @@ max_inflight requests in flight, recorded as a replayable directory per run:
 
     metrics.jsonl.xz    {"t": unix s, "body": vLLM /metrics text}, one line per 1 s scrape
     kv_events.jsonl.xz  {"topic", "seq", "payload": [ts, [event maps], dp_rank]}, ints as hashes
+                        (unpack/compact: token ids zeroed where "block_ids" name the blocks)
     requests.jsonl.xz   one line per request: i, id, slot, t_sched, t_send, t_end, ttft_s,
                         status, prompt_tokens, cached_tokens, sent_tokens, tags
     meta.json           vllm_argv, link_bandwidth_bytes_per_second, kv_bytes_per_token, the
@@ -24,6 +25,7 @@ Here:
     .venv/bin/python bench/gpu/matrix.py smoke          # the tiny model on the vLLM CPU server
     .venv/bin/python bench/gpu/matrix.py unpack .gpu/matrix/*/runs-*.tar \
         --dest tests/fixtures/gpu/matrix
+    .venv/bin/python bench/gpu/matrix.py compact tests/fixtures/gpu/matrix  # unpack does it
     .venv/bin/python bench/gpu/matrix.py truth tests/fixtures/gpu/matrix
 """
 
@@ -776,9 +778,71 @@ def cmd_collect(a: argparse.Namespace) -> int:
     return 0
 
 
+XZ_BEST = 9 | lzma.PRESET_EXTREME
+
+
+def _write_xz_atomic(dest: Path, data: bytes, preset: int = XZ_BEST) -> None:
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_bytes(lzma.compress(data, preset=preset))
+    tmp.replace(dest)
+
+
+def compact_run(d: Path, scenarios: Mapping[str, mk.Scenario]) -> dict[str, Any] | None:
+    """Rewrite one recording in place (mk.compact_kv_records: token ids that the workload's
+    blocks imply zeroed, the blocks' ids added; kv_events and metrics at xz -9e, the same
+    lines); its meta.json gets COMPACT_KEY, which makes a second call a no-op. None where
+    there is nothing to do."""
+    meta_path, kv = d / "meta.json", d / "kv_events.jsonl.xz"
+    if not meta_path.exists() or not kv.exists():
+        return None
+    meta = json.loads(meta_path.read_text())
+    if mk.COMPACT_KEY in meta:
+        print(f"{d.name}: already compacted ({meta[mk.COMPACT_KEY].get('scheme')})")
+        return None
+    sc = scenarios.get(str(meta.get("scenario")))
+    wl = meta.get("workload") or {}
+    if sc is None or (wl.get("seed"), wl.get("params")) != (sc.workload.seed, sc.workload.params):
+        print(f"{d.name}: no scenario with its workload in bench/gpu/scenarios: left as it is")
+        return None
+    block_size = int(meta.get("block_size") or sc.shape.block_size)
+    prompts = [*(r.prompt for r in mk.generate(sc)), *mk.warmup_prompts(sc)]
+    blocks = mk.workload_block_ids(prompts, block_size)
+    before = {f.name: f.stat().st_size for f in (kv, d / "metrics.jsonl.xz") if f.exists()}
+    records = list(gpukit.iter_jsonl(kv))
+    out, stats = mk.compact_kv_records(records, blocks)
+    _write_xz_atomic(kv, "".join(json.dumps(r) + "\n" for r in out).encode())
+    metrics = d / "metrics.jsonl.xz"
+    if metrics.exists():  # the same bytes, a dictionary large enough for the whole file
+        data = lzma.decompress(metrics.read_bytes())
+        if len(packed := lzma.compress(data, preset=XZ_BEST)) < metrics.stat().st_size:
+            tmp = metrics.with_name(metrics.name + ".tmp")
+            tmp.write_bytes(packed)
+            tmp.replace(metrics)
+    info = {
+        "scheme": mk.COMPACT_SCHEME,
+        "workload_blocks": len(blocks.tokens),
+        **stats.as_json(),
+        "xz": "-9e",
+    }
+    meta[mk.COMPACT_KEY] = info
+    write_json(meta_path, meta)
+    after = {name: (d / name).stat().st_size for name in before}
+    print(f"{d.name}: {json.dumps(info)} bytes {before} -> {after}")
+    return info
+
+
+def cmd_compact(a: argparse.Namespace) -> int:
+    scenarios = mk.load_scenarios(Path(a.scenarios))
+    dirs = sorted({p.parent for root in map(Path, a.dirs) for p in root.glob("**/meta.json")})
+    for d in dirs:
+        compact_run(d, scenarios)
+    return 0
+
+
 def cmd_unpack(a: argparse.Namespace) -> int:
     dest = Path(a.dest)
     dest.mkdir(parents=True, exist_ok=True)
+    runs: set[Path] = set()
     for src in a.tars:
         with tarfile.open(src) as tar:
             for m in tar.getmembers():
@@ -794,6 +858,11 @@ def cmd_unpack(a: argparse.Namespace) -> int:
                 assert fh is not None
                 target.write_bytes(fh.read())
                 print(f"{target} {m.size}")
+                runs.add(target.parent)
+    if not a.raw:
+        scenarios = mk.load_scenarios(Path(a.scenarios))
+        for d in sorted(runs):
+            compact_run(d, scenarios)
     return 0
 
 
@@ -1033,7 +1102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("unpack", help="collected tars -> recording directories")
     p.add_argument("tars", nargs="+")
     p.add_argument("--dest", required=True)
+    p.add_argument("--raw", action="store_true", help="keep the KV events as recorded")
+    p.add_argument("--scenarios", default=str(mk.SCENARIO_DIR))
     p.set_defaults(fn=cmd_unpack)
+
+    p = sub.add_parser("compact", help="recordings in place: implied token ids zeroed, xz -9e")
+    p.add_argument("dirs", nargs="+", help="run folders or folders of them")
+    p.add_argument("--scenarios", default=str(mk.SCENARIO_DIR))
+    p.set_defaults(fn=cmd_compact)
 
     p = sub.add_parser("truth", help="totals and paired truth of recordings")
     p.add_argument("root")

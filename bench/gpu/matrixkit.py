@@ -658,6 +658,168 @@ def kv_event_line(rec: Mapping[str, Any]) -> str | None:
     return json.dumps({"topic": rec["topic"], "seq": rec["seq"], "payload": rec["payload"]})
 
 
+# --------------------------------------------------------------------------------------------
+# KV-event compaction: token ids that the workload's blocks imply
+# --------------------------------------------------------------------------------------------
+
+# meta.json key of a compacted recording; its "scheme" says how (COMPACT_SCHEME).
+COMPACT_KEY = "kv_events_compaction"
+COMPACT_SCHEME = "workload-block-ids-v1"
+BLOCK_IDS = "block_ids"  # the field a compacted BlockStored event gains
+
+BlockKey = tuple[int, tuple[int, ...]]  # (parent block id, 0 at the root; the block's tokens)
+
+
+@dataclass(frozen=True)
+class BlockIds:
+    """Every distinct full block of a workload's prompts, numbered 1, 2, ... by its first
+    appearance; a block is its tokens and its parent's id (vLLM's prefix hash chains the same
+    way), so the numbering is a function of the workload alone, the same in every run of it."""
+
+    ids: Mapping[BlockKey, int]
+    tokens: Sequence[tuple[int, ...]]  # tokens[id - 1]: the block's token ids
+    block_size: int
+
+
+def workload_block_ids(prompts: Iterable[Sequence[int]], block_size: int) -> BlockIds:
+    """Ids of the full blocks of `prompts`, in order (matrix.py: the request sequence of
+    `generate`, then the warmup prompts, so the number of warmups leaves the traffic's ids)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    ids: dict[BlockKey, int] = {}
+    toks: list[tuple[int, ...]] = []
+    for prompt in prompts:
+        parent = 0
+        for k in range(len(prompt) // block_size):
+            chunk = tuple(prompt[k * block_size : (k + 1) * block_size])
+            key = (parent, chunk)
+            got = ids.get(key)
+            if got is None:
+                got = ids[key] = len(ids) + 1
+                toks.append(chunk)
+            parent = got
+    return BlockIds(ids, toks, block_size)
+
+
+@dataclass(frozen=True)
+class CompactStats:
+    hashes: int  # distinct block hashes in the events
+    identified: int  # of them whose tokens and parent are a block of the workload
+    zeroed_events: int  # BlockStored events whose token ids were zeroed (block_ids added)
+
+    def as_json(self) -> dict[str, int]:
+        return {
+            "hashes": self.hashes,
+            "identified": self.identified,
+            "zeroed_events": self.zeroed_events,
+        }
+
+
+def _event_maps(rec: Mapping[str, Any]) -> list[Any]:
+    payload = rec.get("payload")
+    events = payload.get("events") if isinstance(payload, Mapping) else None
+    if isinstance(payload, list) and len(payload) in (2, 3):
+        events = payload[1]
+    if not isinstance(events, list):
+        raise ValueError(f"record seq {rec.get('seq')}: no event list in the payload")
+    for e in events:
+        if not isinstance(e, Mapping):
+            raise ValueError(f"record seq {rec.get('seq')}: an event that is not a map")
+    return events
+
+
+def _hash(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"block hash {value!r} is not an integer")
+    return value
+
+
+def _plain_block(e: Mapping[str, Any], k: int) -> bool:
+    """No LoRA, extra keys or second KV group: the block's identity is its tokens and parent."""
+    extra = e.get("extra_keys")
+    if isinstance(extra, list) and k < len(extra) and extra[k] is not None:
+        return False
+    return e.get("lora_id") is None and e.get("lora_name") is None and not e.get("group_idx")
+
+
+def _full_blocks(e: Mapping[str, Any], bs: int) -> tuple[list[int], list[Any]] | None:
+    """(hashes, token ids) of a BlockStored event that carries all its blocks' tokens."""
+    toks = e.get("token_ids")
+    if e.get("type") != "BlockStored" or e.get("block_size") != bs or not isinstance(toks, list):
+        return None
+    hashes = [_hash(h) for h in e.get("block_hashes") or ()]
+    if not hashes or len(toks) != len(hashes) * bs:
+        return None
+    return hashes, toks
+
+
+def compact_kv_records(
+    records: Sequence[Mapping[str, Any]], blocks: BlockIds
+) -> tuple[list[dict[str, Any]], CompactStats]:
+    """A run's KV-event records with the token ids of each BlockStored event whose blocks are
+    all the workload's (`workload_block_ids`: same tokens, same parent chain) replaced by zeros
+    of the same length (what the codec reads of them: num_tokens), and the blocks' ids added as
+    `block_ids` (one per hash; the tokens are blocks.tokens[id - 1], `restore_token_ids`).
+
+    Nothing else changes: block hashes keep their values (the what-if simulator reads more than
+    their identity: SHARDS samples their low bits, the vLLM model's set order their value), and
+    a hash is known as a workload block only from a BlockStored event whose tokens say so.
+    Idempotent: zeroed token ids match no block (real ones are >= 100)."""
+    bs = blocks.block_size
+    raw2id: dict[int, int] = {}
+    id2raw: dict[int, int] = {}
+    seen: dict[int, None] = {}
+    for rec in records:
+        for e in _event_maps(rec):
+            for h in e.get("block_hashes") or ():
+                seen.setdefault(_hash(h), None)
+            full = _full_blocks(e, bs)
+            if full is None:
+                continue
+            hashes, toks = full
+            parent = e.get("parent_block_hash")
+            pid = 0 if parent is None else raw2id.get(_hash(parent))
+            for k, h in enumerate(hashes):
+                if pid is None or not _plain_block(e, k):
+                    break
+                bid = blocks.ids.get((pid, tuple(toks[k * bs : (k + 1) * bs])))
+                if bid is None:
+                    break
+                if raw2id.setdefault(h, bid) != bid or id2raw.setdefault(bid, h) != h:
+                    raise ValueError(f"block hash {h} and block id {bid} do not map one to one")
+                pid = bid
+
+    def implied(h: int, chunk: Sequence[Any]) -> bool:
+        return h in raw2id and blocks.tokens[raw2id[h] - 1] == tuple(chunk)
+
+    zeroed = 0
+    out: list[dict[str, Any]] = []
+    for rec in records:
+        doc = json.loads(json.dumps(rec))  # a deep copy that keeps JSON's types
+        for e in _event_maps(doc):
+            full = _full_blocks(e, bs)
+            if full is None or BLOCK_IDS in e:
+                continue
+            hashes, toks = full
+            if all(implied(h, toks[k * bs : (k + 1) * bs]) for k, h in enumerate(hashes)):
+                e["token_ids"] = [0] * len(toks)
+                e[BLOCK_IDS] = [raw2id[h] for h in hashes]
+                zeroed += 1
+        out.append(doc)
+    return out, CompactStats(len(seen), len(raw2id), zeroed)
+
+
+def restore_token_ids(record: Mapping[str, Any], blocks: BlockIds) -> dict[str, Any]:
+    """The inverse: a compacted record with the token ids of its BlockStored events filled in
+    again from their `block_ids`, which go; the record as recorded."""
+    doc: dict[str, Any] = json.loads(json.dumps(record))
+    for e in _event_maps(doc):
+        ids = e.pop(BLOCK_IDS, None)
+        if isinstance(ids, list):
+            e["token_ids"] = [t for b in ids for t in blocks.tokens[b - 1]]
+    return doc
+
+
 def request_record(
     req: Req,
     *,
