@@ -8,15 +8,18 @@ shape or workload it is: the summed TTFT of the identical request sequence with 
 offload at the same size (bench/gpu/matrixkit.py `paired_truth`: offload pays when it cuts
 summed TTFT by at least 3 %, costs when it adds 3 % or more, neutral in between).
 
-- An offload run's truth is its own pair's verdict (keep it on at this size, or not).
-- A run without offload is labelled by enabling at the size its pair measured; an "enable"
-  recommending another size is *unverified*: only a run at that size can check it.
+- Advice is judged at the size it speaks about: keep or disable at the run's own size, enable,
+  grow or shrink at the recommended size (*unverified* until a run of that size exists: the
+  "close the loop" runs of bench/gpu/scenarios/close-the-loop.json), "leave it off" at the
+  best size measured. The truth at size S is the verdict of the family's run with S against
+  its run without offload (the family: the same shape, workload and vLLM flags).
 - Agreement: enable/keep/grow/shrink/raise_store_threshold agree where offload pays (or is
   neutral), no_action/disable where it costs (or is neutral); insufficient_data agrees with
   nothing. Harmful: enable or keep where it costs, disable where it pays.
-- Prediction: for a run without offload, the advisor's predicted TTFT saving at its pair's
-  size (the what-if, `ttft_saved_seconds_per_second`) against the saving measured when that
-  size was enabled on the same sequence; within 25 % or 0.02 s/s, whichever is larger.
+- Prediction: for a run without offload, the advisor's predicted TTFT saving at every size
+  its family measured (the what-if, `ttft_saved_seconds_per_second`) against the saving
+  measured when that size was enabled on the same sequence; within 25 % or 0.02 s/s,
+  whichever is larger.
 """
 
 from __future__ import annotations
@@ -47,12 +50,21 @@ PREDICTION_REL, PREDICTION_ABS = 0.25, 0.02
 
 
 @dataclass(frozen=True, slots=True)
+class Prediction:
+    run: str  # the run without offload it was made on
+    size_bytes: float
+    predicted: float | None  # the what-if's TTFT saving at that size, before enabling
+    measured: float  # what enabling that size measured on the same sequence
+    ok: bool | None
+
+
+@dataclass(frozen=True, slots=True)
 class RunEval:
     run: str
     offload_bytes: float | None  # the run's CPU buffer (None: offload off)
-    pair_size_bytes: float | None  # the size its pair measured
-    truth: str  # pays | neutral | costs | unknown (no pair)
-    measured_saving: float | None  # TTFT s saved per s of traffic at the pair's size
+    pair_size_bytes: float | None  # the size the advice speaks about (its truth's size)
+    truth: str  # pays | neutral | costs | unknown (no run of that size)
+    measured_saving: float | None  # TTFT s saved per s of traffic at that size
     action: str
     reason: str
     recommended_bytes: float | None
@@ -62,6 +74,7 @@ class RunEval:
     harmful: bool
     predicted_saving: float | None = None  # runs without offload: the what-if at the size
     prediction_ok: bool | None = None
+    predictions: tuple[Prediction, ...] = ()  # runs without offload: at every size measured
 
 
 def _requests(run: Path) -> list[dict[str, Any]]:
@@ -101,65 +114,88 @@ def _judge(action: str, truth: str, verified: bool) -> tuple[bool, bool]:
     return agrees, harmful
 
 
+def _family(
+    runs: Sequence[Path], metas: dict[str, dict[str, Any]], run: Path
+) -> tuple[Path | None, dict[float, Path]]:
+    """The run without offload and the offload runs by size of the run's pair family."""
+    same = [r for r in runs if metas[r.name].get("pair") == metas[run.name].get("pair")]
+    base = next((r for r in same if _offload_bytes(metas[r.name]) is None), None)
+    sizes = {b: r for r in same if (b := _offload_bytes(metas[r.name])) is not None}
+    return base, sizes
+
+
 def evaluate(root: Path = MATRIX) -> list[RunEval]:
     runs = sorted(p.parent for p in root.glob("*/meta.json"))
     metas = {r.name: _meta(r) for r in runs}
+    truths: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def truth(base: Path, on: Path) -> dict[str, Any]:
+        if (base.name, on.name) not in truths:
+            truths[base.name, on.name] = matrixkit.paired_truth(_requests(base), _requests(on))
+        return truths[base.name, on.name]
+
     out: list[RunEval] = []
     for run in runs:
-        meta = metas[run.name]
-        own = _offload_bytes(meta)
-        partner = next(
-            (
-                other
-                for other in runs
-                if other != run
-                and metas[other.name].get("pair") == meta.get("pair")
-                and (_offload_bytes(metas[other.name]) is None) != (own is None)
-            ),
-            None,
-        )
-        base, on = (partner, run) if own is not None else (run, partner)
-        truth, measured, pair_size = "unknown", None, None
-        if base is not None and on is not None:
-            t = matrixkit.paired_truth(_requests(base), _requests(on))
-            truth, measured = str(t["verdict"]), t.get("ttft_saved_s_per_s")
-            pair_size = _offload_bytes(metas[on.name])
+        own = _offload_bytes(metas[run.name])
+        base, sizes = _family(runs, metas, run)
         r = replay_one(run, Config())
         (final,) = (e for t in r.final.targets for e in t.engines)
         a = final.advice
         action, rec = str(a.action), a.recommended_buffer_bytes
         first = next(iter(r.first_decision.values()), None)
-        # enable is about the size it recommends; grow/shrink about a size nobody ran yet.
-        verified = truth != "unknown" and not (
-            (action == "enable_offload" and rec is not None and rec != pair_size)
-            or action in ("grow_buffer", "shrink_buffer")
-        )
-        agrees, harmful = _judge(action, truth, verified)
-        predicted = ok = None
-        if own is None and pair_size is not None and measured is not None:
-            at_size = replay_one(run, Config(whatif_sizes=(int(pair_size),)))
-            (e,) = (x for t in at_size.final.targets for x in t.engines)
-            if e.whatif is not None and e.whatif.points:
-                predicted = e.whatif.points[0].ttft_saved_seconds_per_second
-            if predicted is not None:
-                tolerance = max(PREDICTION_REL * abs(measured), PREDICTION_ABS)
-                ok = abs(predicted - measured) <= tolerance
+        measured_at = {size: truth(base, on) for size, on in sizes.items() if base is not None}
+        # The size the advice speaks about: keep/disable the run's own, enable/grow/shrink
+        # the recommended one (verified only where a run of that size exists). "Leave it
+        # off" speaks about every size: judged on the best one measured.
+        if own is not None:
+            about = rec if action in ("grow_buffer", "shrink_buffer") else own
+        elif action == "enable_offload":
+            about = rec
+        else:
+            about = max(
+                measured_at,
+                key=lambda b: measured_at[b].get("ttft_saved_s_per_s") or 0.0,
+                default=None,
+            )
+        t = measured_at.get(about) if about is not None else None
+        verdict = str(t["verdict"]) if t is not None else "unknown"
+        measured = t.get("ttft_saved_s_per_s") if t is not None else None
+        agrees, harmful = _judge(action, verdict, t is not None)
+        predictions: list[Prediction] = []
+        if own is None and measured_at:
+            at = replay_one(run, Config(whatif_sizes=tuple(int(b) for b in sorted(measured_at))))
+            (e,) = (x for tt in at.final.targets for x in tt.engines)
+            curve = {
+                p.cpu_buffer_bytes: p.ttft_saved_seconds_per_second
+                for p in (e.whatif.points if e.whatif is not None else ())
+            }
+            for size in sorted(measured_at):
+                m = measured_at[size].get("ttft_saved_s_per_s")
+                if m is None:
+                    continue
+                pred = curve.get(float(int(size)))
+                ok = None
+                if pred is not None:
+                    ok = abs(pred - m) <= max(PREDICTION_REL * abs(m), PREDICTION_ABS)
+                predictions.append(Prediction(run.name, size, pred, m, ok))
+        row = next((p for p in predictions if p.size_bytes == about), None)
         out.append(
             RunEval(
                 run.name,
                 own,
-                pair_size,
-                truth,
+                about,
+                verdict,
                 measured,
                 action,
                 str(a.reason),
                 rec,
                 first,
-                verified,
+                t is not None,
                 agrees,
                 harmful,
-                predicted,
-                ok,
+                row.predicted if row is not None else None,
+                row.ok if row is not None else None,
+                tuple(predictions),
             )
         )
     return out
@@ -173,7 +209,7 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         for e in decided
         if e.first_decision_s is not None and e.first_decision_s <= GOALS["decision_within_s"]
     ]
-    predictions = [e for e in evals if e.prediction_ok is not None]
+    predictions = [p for e in evals for p in e.predictions if p.ok is not None]
     return {
         "runs": len(evals),
         "verified": len(labelled),
@@ -181,7 +217,8 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         "harmful": [e.run for e in evals if e.harmful],
         "decided": len(in_time) / len(evals) if evals else None,
         "predictions": len(predictions),
-        "predictions_ok": sum(bool(e.prediction_ok) for e in predictions),
+        "predictions_ok": sum(bool(p.ok) for p in predictions),
+        "prediction_misses": [f"{p.run} at {_gib(p.size_bytes)}" for p in predictions if not p.ok],
         "goals": GOALS,
     }
 
@@ -218,6 +255,18 @@ def markdown(evals: Sequence[RunEval]) -> str:
             f"{_num(e.measured_saving)} | {_num(e.predicted_saving)} | {e.action} ({e.reason}) | "
             f"{_gib(e.recommended_bytes)} | {_num(e.first_decision_s, '{:.0f} s')} | {verdict} |"
         )
+    rows += [
+        "",
+        "| run without offload | size | predicted s/s (before enabling) | measured s/s | within |",
+        "|---|---|---|---|---|",
+    ]
+    for e in evals:
+        for p in e.predictions:
+            within = "-" if p.ok is None else "yes" if p.ok else "no"
+            rows.append(
+                f"| {p.run} | {_gib(p.size_bytes)} | {_num(p.predicted)} | {_num(p.measured)} | "
+                f"{within} |"
+            )
     agreement = "-" if s["agreement"] is None else f"{s['agreement']:.0%}"
     decided = "-" if s["decided"] is None else f"{s['decided']:.0%}"
     rows += [

@@ -325,10 +325,12 @@ DECISION = Dashboard(
                     unit="s",
                     width=8,
                     description=(
-                        "Seconds of time-to-first-token that loads from the CPU tier save per "
-                        "second of wall time (summed over requests), from a fit of TTFT on "
-                        "computed and loaded tokens per scrape interval. Below zero (red) "
-                        "offload makes requests slower."
+                        "Seconds of time-to-first-token that offload saves per second of "
+                        "wall time (summed over requests), net of its stores: loaded tokens "
+                        "times the saving per token from a fit of TTFT on computed and loaded "
+                        "tokens per scrape interval, minus vLLM's store copy time charged to "
+                        "every loaded and computed token. Below zero (red) offload makes "
+                        "requests slower (docs/advisor.md, the window's balance)."
                     ),
                     queries=(
                         Query(f"kvoffload_offload_ttft_saved_seconds_per_second{{{ENGINE}}}", EL),

@@ -26,6 +26,11 @@ class Thresholds:
     # Reload must beat marginal recompute with margin: fixed per-load costs are not in
     # the copy-time counter (the H200 0.6B run showed 4.6x "faster" copies and no gain).
     transfer_speedup_min: float = 1.5
+    # With offload on, the share of TTFT (of the same traffic without offload) the window's
+    # balance must save: the 3 % that defines "pays" in docs/advisor.md. A balance whose
+    # upper bound stays below it turns offload off; one whose lower bound clears it stands
+    # in for the speedup margin, since it measures the per-load and store costs itself.
+    ttft_saving_material: float = 0.03
     # Pinned pool + the rest of the container against its memory limit: pinned memory is
     # never swapped or reclaimed, so the OOM killer is the failure mode.
     memory_usage_high: float = 0.90

@@ -19,9 +19,27 @@ def evals():  # type: ignore[no-untyped-def]
     return evaluate()
 
 
-def test_the_matrix_is_there_and_every_run_has_a_measured_label(evals) -> None:  # type: ignore[no-untyped-def]
-    assert len(evals) >= 6
-    assert all(e.truth in ("pays", "neutral", "costs") for e in evals)
+def test_the_matrix_is_there_and_every_label_is_measured(evals) -> None:  # type: ignore[no-untyped-def]
+    """A run is labelled from its family's runs at the size its advice speaks about; it is
+    unlabelled only when no run of that size was recorded yet (a loop still to close)."""
+    assert len(evals) >= 12
+    for e in evals:
+        if e.verified:
+            assert e.truth in ("pays", "neutral", "costs"), e.run
+        else:
+            assert e.truth == "unknown" and e.pair_size_bytes is not None, e.run
+            family = e.run.rsplit("-", 1)[0]
+            sizes = {x.offload_bytes for x in evals if x.run.rsplit("-", 1)[0] == family}
+            assert e.pair_size_bytes not in sizes, e.run
+
+
+def test_the_goals_of_the_issue(evals) -> None:  # type: ignore[no-untyped-def]
+    """Settled advice agrees with the measured truth in 90 % of verified runs, and 80 % of
+    the runs reach a decision within 5 minutes of traffic (issue 16)."""
+    s = summary(evals)
+    assert s["verified"] >= 10
+    assert s["agreement"] >= s["goals"]["agreement"]
+    assert s["decided"] >= s["goals"]["decided"]
 
 
 def test_no_advice_is_harmful(evals) -> None:  # type: ignore[no-untyped-def]
@@ -32,9 +50,8 @@ def test_no_advice_is_harmful(evals) -> None:  # type: ignore[no-untyped-def]
 
 def test_every_saving_predicted_before_enabling_matches_what_enabling_measured(evals) -> None:  # type: ignore[no-untyped-def]
     s = summary(evals)
-    assert s["predictions"] >= 3
-    misses = [e.run for e in evals if e.prediction_ok is False]
-    assert misses == []
+    assert s["predictions"] >= 7
+    assert s["prediction_misses"] == []
 
 
 def test_judging_follows_the_definition() -> None:

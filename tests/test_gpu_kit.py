@@ -610,7 +610,14 @@ def test_matrix_scenarios_are_data() -> None:
     workloads = {s.workload.name for s in SCENARIOS.values()}
     assert shapes == {"qwen3-0.6b", "qwen3-8b", "qwen3-32b"}
     assert {"rag-zipf", "chat", "unique", "long-context", "concurrent"} <= workloads
-    assert len(SCENARIOS) == 45
+    matrix = [n for n in SCENARIOS if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k")]
+    assert len(matrix) == 45
+    # close-the-loop.json: the sizes the advisor recommended on replay, as scenarios too.
+    assert SCENARIOS["qwen3-8b-long-context-cpu16g"].offload is not None
+    assert (
+        SCENARIOS["qwen3-8b-long-context-cpu16g"].pair
+        == SCENARIOS["qwen3-8b-long-context-none"].pair
+    )
     assert all(s.traffic_s >= 180 for s in SCENARIOS.values())
     bpt = {n: SCENARIOS[f"{n}-chat-none"].shape.kv_bytes_per_token for n in shapes}
     assert bpt == {"qwen3-0.6b": 114_688, "qwen3-8b": 147_456, "qwen3-32b": 262_144}

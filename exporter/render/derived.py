@@ -72,11 +72,9 @@ def derived_families(
                 overhead.add(labels, d.prefill_fit.overhead_seconds)
             fit_points.add(labels, d.prefill_fit.points if d.prefill_fit else 0)
             if d.offload_fit is not None:
-                per_token = d.offload_fit.saving_seconds_per_token
-                saving.add(labels, per_token)
-                loaded = d.window.get("prompt_by_source:external_kv_transfer")
-                if loaded is not None and span > 0:
-                    saved_rate.add(labels, per_token * loaded / span)
+                saving.add(labels, d.offload_fit.saving_seconds_per_token)
+            if d.balance is not None and span > 0:
+                saved_rate.add(labels, d.balance.net_seconds / span)
     return [
         enabled,
         *gauges.values(),

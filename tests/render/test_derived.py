@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from exporter.model.derive.balance import offload_balance
 from exporter.model.derive.fits import OffloadFit, PrefillFit
 from exporter.render.derived import _DERIVED_COUNTERS, _DERIVED_GAUGES, derived_families
 from exporter.vllm_metrics import EngineKey
@@ -76,19 +77,29 @@ def test_known_values_each_in_its_family_with_the_engine_labels() -> None:
     saving = d.offload_fit.saving_seconds_per_token  # type: ignore[union-attr]
     assert saving == pytest.approx(30e-6)
     assert series(f["kvoffload_offload_saving_seconds_per_token"]) == {LABELS: saving}
-    # seconds saved per second: saving per loaded token x loaded tokens / covered seconds
-    (saved,) = series(f["kvoffload_offload_ttft_saved_seconds_per_second"]).values()
-    assert saved == pytest.approx(30e-6 * 3000.0 / 60.0)
+    # Without a balance (no store timing) there is no net saving to state.
+    assert series(f["kvoffload_offload_ttft_saved_seconds_per_second"]) == {}
 
 
-def test_ttft_saved_needs_covered_seconds_and_loaded_tokens() -> None:
-    fit = OffloadFit(0.0, 40e-6, 10e-6, 60, 0.99)
-    d = base(offload_fit=fit, window={"prompt_by_source:external_kv_transfer": 10.0})
+def test_ttft_saved_is_the_balance_per_covered_second() -> None:
+    fit = OffloadFit(0.0, 40e-6, 10e-6, 60, 0.99, 1e-6, 1e-6, 1e-6)
+    sums = {
+        "prompt_by_source:external_kv_transfer": 3000.0,
+        "prompt_by_source:local_compute": 1000.0,
+        "store_seconds": 0.01,
+        "ttft_seconds": 5.0,
+    }
+    bal = offload_balance(fit, sums)
+    assert bal is not None
+    d = base(offload_enabled=True, offload_fit=fit, balance=bal)
     name = "kvoffload_offload_ttft_saved_seconds_per_second"
+    (saved,) = series(by_name(derived_families([("t", [d])], covered={"t": 60.0}))[name]).values()
+    # (30 us x 3000 loaded - 0.01 s x 4000 / 1000 stored) / 60 s
+    assert saved == pytest.approx((30e-6 * 3000.0 - 0.04) / 60.0)
     assert len(by_name(derived_families([("t", [d])]))[name]) == 0  # no coverage known
     assert len(by_name(derived_families([("t", [d])], covered={"t": 0.0}))[name]) == 0
-    no_loads = replace(d, window={})
-    assert len(by_name(derived_families([("t", [no_loads])], covered={"t": 60.0}))[name]) == 0
+    no_balance = replace(d, balance=None)
+    assert len(by_name(derived_families([("t", [no_balance])], covered={"t": 60.0}))[name]) == 0
 
 
 def test_engines_of_several_targets_are_told_apart() -> None:

@@ -22,6 +22,7 @@ from exporter.model.advisor.types import (
     TierEvidence,
     WhatIfPoint,
 )
+from exporter.model.derive.balance import OffloadBalance
 from exporter.model.derive.engines import EngineDerived
 from exporter.thresholds import DEFAULT, Thresholds
 
@@ -31,6 +32,7 @@ _NO_POLICY_NOTE = frozenset(
     {
         Reason.RELOAD_SLOWER_THAN_RECOMPUTE,
         Reason.RELOAD_GAIN_TOO_SMALL,
+        Reason.TTFT_SAVING_IMMATERIAL,
         Reason.MEMORY_NEAR_LIMIT,
         Reason.STORES_NEVER_LOADED,  # its text is the policy comparison already
     }
@@ -122,6 +124,11 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         "affordable_buffer_bytes": headroom,
         "pcie_utilization_ratio": inp.pcie_utilization,
     }
+    if d.balance is not None:
+        numbers["offload_net_saving_seconds"] = d.balance.net_seconds
+        numbers["offload_net_saving_stderr_seconds"] = d.balance.stderr_seconds
+        numbers["offload_net_saving_share"] = d.balance.share()
+        numbers["offload_store_cost_seconds"] = d.balance.store_seconds
     if inp.whatif is not None:
         numbers["recomputed_after_eviction_tokens"] = inp.whatif.recomputed_after_eviction_tokens
         numbers["whatif_configured_hit_ratio"] = inp.whatif.configured_hit_ratio
@@ -282,10 +289,19 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
             f"{pct(d.reuse_ratio)} of the bytes stored are ever loaded: offloaded prefixes "
             "are not reused, so offload costs PCIe bandwidth and pinned memory for nothing.",
         )
+    bal = d.balance
+    immaterial = _balance_rule(inp, th, advice, headroom, hit) if bal is not None else None
+    if immaterial is not None:
+        return immaterial
+    # A balance that saves a material share even at its lower end has measured the per-load
+    # and store costs the speedup margin stands in for.
+    lower = bal.share(-2.0) if bal is not None else None
+    balance_pays = lower is not None and lower >= th.ttft_saving_material
     if (
         ofit is not None
         and ofit.proves_gain
         and (ofit.measured_speedup or math.inf) < th.transfer_speedup_min
+        and not balance_pays
     ):
         # A reload measurably saves time, but by less than the margin so far: whether it
         # clears the margin is what is uncertain, not whether it saves anything.
@@ -307,7 +323,7 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
     if (
         ofit is None
         or not ofit.proves_gain
-        or (ofit.measured_speedup or math.inf) < th.transfer_speedup_min
+        or ((ofit.measured_speedup or math.inf) < th.transfer_speedup_min and not balance_pays)
     ):
         # The copy-time counter alone cannot show that offload pays (the H200 lesson):
         # wait for the TTFT fit to separate loaded from computed tokens with confidence.
@@ -381,11 +397,69 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
     gain = ""
     if saving is not None:
         gain = f" Each loaded token saves {saving * 1e6:.2f} us of TTFT (measured)."
+    if bal is not None and (share := bal.share()) is not None:
+        gain += f" Over the window {_balance_text(bal)} ({pct(share)} of TTFT)."
     return advice(
         Action.KEEP,
         Reason.PAYING_OFF,
         f"{pct(hit)} of prompt tokens are served from the CPU tier and reloads beat "
         f"recomputing (speedup {d.transfer_speedup or float('nan'):.2f}).{gain} Keep it.",
+    )
+
+
+def _balance_rule(
+    inp: AdvisorInput,
+    th: Thresholds,
+    advice: Callable[..., Advice],
+    headroom: float | None,
+    hit: float | None,
+) -> Advice | None:
+    """Offload on: the window's balance saves too little even at its upper end. Grow when a
+    larger buffer that fits is predicted to pay, else turn the tier off; None otherwise."""
+    d = inp.derived
+    bal = d.balance
+    assert bal is not None
+    upper = bal.share(2.0)
+    if upper is not None and upper < th.ttft_saving_material:
+        # Too small a buffer saves too little; a larger one the what-if says would pay is
+        # the answer then, not turning the tier off.
+        grow = _bigger_size(inp, th, headroom)
+        grow_share = _saving_share(grow, bal, inp.covered_seconds) if grow else None
+        if grow is not None and grow_share is not None and grow_share >= th.ttft_saving_material:
+            return advice(
+                Action.GROW_BUFFER,
+                Reason.BUFFER_TOO_SMALL,
+                f"At the configured {gib(d.offload_buffer_bytes)} {_balance_text(bal)}, "
+                f"at most {pct(upper)} of TTFT; the what-if replay of this traffic reaches "
+                f"{pct(grow.hit_ratio)} with {gib(grow.cpu_buffer_bytes)} (fits the memory "
+                f"headroom), saving about {pct(grow_share)} of TTFT." + _reuse_gap_note(inp),
+                grow.cpu_buffer_bytes,
+            )
+        return advice(
+            Action.DISABLE_OFFLOAD,
+            Reason.TTFT_SAVING_IMMATERIAL,
+            f"{pct(hit)} of prompt tokens come back from the CPU tier, but over the window "
+            f"{_balance_text(bal)}: at most {pct(upper)} of the TTFT this traffic would "
+            f"have without offload (it pays from {pct(th.ttft_saving_material)}). The "
+            "pinned memory and the PCIe traffic buy nothing here; turn it off.",
+        )
+    return None
+
+
+def _saving_share(point: WhatIfPoint, bal: OffloadBalance, seconds: float) -> float | None:
+    """The what-if's predicted saving at a size as a share of the TTFT without offload."""
+    saved = point.ttft_saved_seconds_per_second
+    without = bal.ttft_seconds + bal.net_seconds
+    if saved is None or without <= 0 or seconds <= 0:
+        return None
+    return saved * seconds / without
+
+
+def _balance_text(bal: OffloadBalance) -> str:
+    return (
+        f"the loaded tokens saved {bal.saved_seconds:.2f} s of TTFT and storing every computed "
+        f"block cost {bal.store_seconds:.2f} s: net {bal.net_seconds:+.2f} +- "
+        f"{2 * bal.stderr_seconds:.2f} s"
     )
 
 
@@ -561,6 +635,19 @@ def _evaluate_off(  # noqa: PLR0911  a decision list: rule order is the policy, 
             f"that fits the memory headroom ({gib(headroom)}): not worth the pinned memory.",
         )
     saved = knee.ttft_saved_seconds_per_second
+    ttft = d.window.get("ttft_seconds")
+    if saved is not None and ttft and inp.covered_seconds > 0:
+        share = saved * inp.covered_seconds / ttft
+        if share < th.ttft_saving_material:
+            return advice(
+                Action.NO_ACTION,
+                Reason.PREDICTED_SAVING_IMMATERIAL,
+                f"A CPU tier of {gib(knee.cpu_buffer_bytes)} would have served "
+                f"{pct(knee.hit_ratio)} of prompt tokens, but with the loads and the stores of "
+                f"every computed block counted it would save about {saved:.3f} s of TTFT per "
+                f"second, {pct(share)} of the TTFT now (it pays from "
+                f"{pct(th.ttft_saving_material)}): not worth the pinned memory.",
+            )
     extra = f", saving about {saved:.3f} s of TTFT per second" if saved is not None else ""
     return advice(
         Action.ENABLE_OFFLOAD,

@@ -40,6 +40,8 @@ class Reason(StrEnum):
     MEMORY_NEAR_LIMIT = "memory_near_limit"
     RELOAD_SLOWER_THAN_RECOMPUTE = "reload_slower_than_recompute"
     RELOAD_GAIN_TOO_SMALL = "reload_gain_too_small"
+    TTFT_SAVING_IMMATERIAL = "ttft_saving_immaterial"
+    PREDICTED_SAVING_IMMATERIAL = "predicted_saving_immaterial"
     BUFFER_TOO_SMALL = "buffer_too_small"
     SPEEDUP_UNCERTAIN = "speedup_uncertain"
     NO_REUSE = "no_reuse"
@@ -167,6 +169,18 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
         Reason.RELOAD_GAIN_TOO_SMALL: ReasonInfo(
             Action.DISABLE_OFFLOAD,
             "the measured speedup interval lies entirely below `transfer_speedup_min`",
+        ),
+        Reason.TTFT_SAVING_IMMATERIAL: ReasonInfo(
+            Action.DISABLE_OFFLOAD,
+            "the window's balance (TTFT the loaded tokens saved, minus the cost of storing "
+            "every computed block) saves less than `ttft_saving_material` of TTFT even at "
+            "the upper end of its interval",
+        ),
+        Reason.PREDICTED_SAVING_IMMATERIAL: ReasonInfo(
+            Action.NO_ACTION,
+            "offload off; the what-if's predicted TTFT saving at the size it would recommend, "
+            "loads and stores of every computed block counted, is below "
+            "`ttft_saving_material` of the window's TTFT",
         ),
         Reason.BUFFER_TOO_SMALL: ReasonInfo(
             Action.GROW_BUFFER,

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from exporter.model.derive.backends import BackendDerived, backend_derived
+from exporter.model.derive.balance import KEYS as BALANCE_KEYS
+from exporter.model.derive.balance import OffloadBalance, offload_balance
 from exporter.model.derive.fits import OffloadFit, PrefillFit, offload_fit, prefill_fit
 from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
@@ -60,6 +62,8 @@ class EngineDerived:
     window: Mapping[str, float]  # window sums of the counters, for the advisor
     totals: Mapping[str, float]  # reset-safe running totals
     backend: BackendDerived | None = None  # connector/spec/tiers and per-backend values
+    balance: OffloadBalance | None = None  # offload on: the window's TTFT saved minus stores
+    ttft_fit: PrefillFit | None = None  # offload off: summed TTFT on requests, computed tokens
 
 
 def _ratio(sums: tuple[float, ...] | None) -> float | None:
@@ -227,7 +231,22 @@ def derive_engine(
         if fresh and enabled
         else None
     )
+    # Offload off: what a computed token adds to the summed TTFT of all requests, not only to
+    # its own prefill (on a busy engine it delays the requests queued behind it too): the
+    # what-if's saving is stated in summed TTFT, the unit of the truth it is checked against.
+    tfit = (
+        prefill_fit(
+            win.points(ek, ("ttft_requests", "prompt_by_source:local_compute", "ttft_seconds")),
+            settings.min_fit_points,
+        )
+        if fresh and not enabled
+        else None
+    )
     average = _rate(sums("computed_tokens", "prefill_seconds"))
+    bal_sums = sums(*BALANCE_KEYS) if ofit is not None else None
+    bal = offload_balance(
+        ofit, dict(zip(BALANCE_KEYS, bal_sums, strict=True)) if bal_sums else None
+    )
 
     transfer: float | None = None
     estimated = False
@@ -309,6 +328,8 @@ def derive_engine(
             recompute_tokens_per_second=recompute,
             recompute_negligible=negligible,
         ),
+        balance=bal,
+        ttft_fit=tfit,
     )
 
 

@@ -37,6 +37,20 @@ def recompute_rate(d: EngineDerived) -> float | None:
     return math.inf if d.recompute_negligible else d.recompute_tokens_per_second
 
 
+def ttft_cost_per_token(d: EngineDerived) -> float | None:
+    """Summed TTFT one more computed token costs, for the what-if's saving: the TTFT fits
+    where measured (offload off: TTFT on requests and computed tokens; on: the computed
+    token's cost in the offload fit), else the prefill fit's marginal cost; 0 below noise."""
+    if d.ttft_fit is not None and d.ttft_fit.stderr is not None:
+        return max(d.ttft_fit.seconds_per_token, 0.0)
+    if d.offload_fit is not None and d.offload_fit.valid:
+        return d.offload_fit.computed_seconds_per_token
+    rate = recompute_rate(d)
+    if rate is None or rate <= 0:
+        return None
+    return 1.0 / rate
+
+
 def sim_config(
     d: EngineDerived, settings: WhatIfSettings, recommended: float | None
 ) -> SimConfig | None:

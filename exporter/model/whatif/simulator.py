@@ -1189,18 +1189,22 @@ def replay(
 
 def ttft_saved_seconds_per_second(
     hit_tokens_per_second: float,
-    recompute_tokens_per_second: float | None,
+    seconds_per_computed_token: float | None,
     transfer_tokens_per_second: float | None,
+    computed_tokens_per_second: float | None = None,
 ) -> float | None:
-    """Seconds of prefill saved per second: negative when reloading is slower than recompute.
+    """Summed TTFT saved per second by a CPU tier serving these hits: negative when it costs.
 
-    A recompute rate of infinity means the per-token recompute cost is below measurement
-    noise: every reload then costs time, and the result says so with its negative sign.
+    Each hit saves computing a token and costs loading it; every other computed token is
+    stored, at the same copy speed. Without offload `computed_tokens_per_second` were
+    computed, hits included, so the tier moves each of them once over the link:
+    hits x cost - computed / transfer. Without a computed rate only the loads are charged.
     """
-    if recompute_tokens_per_second is None or transfer_tokens_per_second is None:
+    if seconds_per_computed_token is None or transfer_tokens_per_second is None:
         return None
-    if recompute_tokens_per_second <= 0 or transfer_tokens_per_second <= 0:
+    if seconds_per_computed_token < 0 or transfer_tokens_per_second <= 0:
         return None
-    return hit_tokens_per_second * (
-        1.0 / recompute_tokens_per_second - 1.0 / transfer_tokens_per_second
-    )
+    moved = hit_tokens_per_second
+    if computed_tokens_per_second is not None:
+        moved = max(computed_tokens_per_second, hit_tokens_per_second)
+    return hit_tokens_per_second * seconds_per_computed_token - moved / transfer_tokens_per_second

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from exporter.model.advisor.types import PolicyPoint, TierEvidence, WhatIfPoint, WhatIfState
 from exporter.model.derive.engines import EngineDerived
 from exporter.model.whatif.engine import POLICY_COMBOS, EngineSnapshot, SimConfig
-from exporter.model.whatif.plan import engine_policy, policy_size, recompute_rate
+from exporter.model.whatif.plan import engine_policy, policy_size, ttft_cost_per_token
 from exporter.model.whatif.simulator import (
     REUSE_GAP_BLOCK_EDGES,
     bucket_quantile,
@@ -29,6 +29,9 @@ class WhatIfView:
     hits: tuple[float, ...]
     configured_hits: float | None
     recomputed_tokens: float
+    # Tokens the engine would compute without offload over the same span (computed plus
+    # loaded from a CPU tier): every one of them crosses the link once with offload on.
+    computed_tokens: float | None = None
 
 
 def engine_rank(key: EngineKey) -> int | None:
@@ -39,11 +42,13 @@ def engine_rank(key: EngineKey) -> int | None:
         return None
 
 
-def prompt_span(
+def _span(
     window: TargetWindow, key: EngineKey, start: float
-) -> tuple[float, float, float] | None:
-    """Prompt tokens and the time span of the window's intervals from `start` on."""
+) -> tuple[float, float | None, float, float] | None:
+    """Prompt tokens, tokens computed or loaded from a CPU tier (None when vLLM does not
+    break prompt tokens down by source) and the time span of the intervals from `start` on."""
     prompt = 0.0
+    computed: float | None = None
     t0 = math.inf
     t1 = -math.inf
     for iv in window.intervals():
@@ -53,10 +58,22 @@ def prompt_span(
         if not deltas or "prompt_tokens" not in deltas:
             continue
         prompt += deltas["prompt_tokens"]
+        local = deltas.get("prompt_by_source:local_compute")
+        if local is not None:
+            loaded = deltas.get("prompt_by_source:external_kv_transfer", 0.0)
+            computed = (computed or 0.0) + local + loaded
         t0, t1 = min(t0, iv.t0), max(t1, iv.t1)
     if prompt <= 0 or t1 <= t0:
         return None
-    return prompt, t0, t1
+    return prompt, computed, t0, t1
+
+
+def prompt_span(
+    window: TargetWindow, key: EngineKey, start: float
+) -> tuple[float, float, float] | None:
+    """Prompt tokens and the time span of the window's intervals from `start` on."""
+    span = _span(window, key, start)
+    return None if span is None else (span[0], span[2], span[3])
 
 
 def window_view(
@@ -65,10 +82,10 @@ def window_view(
     """The curve's hits over the window; None until simulated and joined with prompts."""
     if es is None or es.capacities is None or es.sim_start is None:
         return None
-    span = prompt_span(window, key, es.sim_start)
+    span = _span(window, key, es.sim_start)
     if span is None:
         return None
-    prompt, t0, t1 = span
+    prompt, computed, t0, t1 = span
     k = len(es.capacities)
     hits = [0.0] * k
     conf = 0.0
@@ -85,6 +102,7 @@ def window_view(
         tuple(hits),
         conf if es.configured_blocks is not None else None,
         recomputed,
+        computed,
     )
 
 
@@ -131,14 +149,27 @@ def whatif_state(
     view = window_view(es, window, d.key)
     if view is None:
         return None
-    points = tuple(
-        WhatIfPoint(
-            float(size),
-            min(1.0, hits / view.prompt_tokens),
-            ttft_saved_seconds_per_second(
-                hits / view.seconds, recompute_rate(d), d.transfer_tokens_per_second
-            ),
+    cost = ttft_cost_per_token(d)
+    computed = view.computed_tokens
+    bal, fit = d.balance, d.offload_fit
+
+    def saved(hits: float) -> float | None:
+        if bal is not None and fit is not None and computed is not None:
+            # Offload on: price each hit at the measured saving per loaded token and every
+            # token computed without offload at the measured store cost, as the balance does
+            # (at the configured size the two agree).
+            per_store = bal.store_seconds / (bal.loaded_tokens + bal.computed_tokens)
+            net = hits * fit.saving_seconds_per_token - computed * per_store
+            return net / view.seconds
+        return ttft_saved_seconds_per_second(
+            hits / view.seconds,
+            cost,
+            d.transfer_tokens_per_second,
+            computed / view.seconds if computed is not None else None,
         )
+
+    points = tuple(
+        WhatIfPoint(float(size), min(1.0, hits / view.prompt_tokens), saved(hits))
         for size, hits in zip(sizes_bytes, view.hits, strict=True)
     )
     conf = (

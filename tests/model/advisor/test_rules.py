@@ -20,6 +20,7 @@ from exporter.model.advisor.types import (
     WhatIfPoint,
     WhatIfState,
 )
+from exporter.model.derive.balance import offload_balance
 from exporter.model.derive.engines import DeriveSettings, derive_engine
 from exporter.model.derive.fits import OffloadFit
 from exporter.thresholds import DEFAULT
@@ -126,6 +127,22 @@ def test_laptop_case_recompute_after_eviction_enables_offload_with_knee_size():
     assert a.action == Action.ENABLE_OFFLOAD
     assert a.recommended_buffer_bytes == 0.5 * GIB  # smallest size with >= 90% of the best
     assert "--kv-offloading-size 0.5" in a.explanation
+
+
+def test_enable_needs_the_predicted_saving_to_be_material():
+    """The same curve, priced: with 60 s of summed TTFT over 300 s, a predicted 0.05 s/s is
+    25 % of it (enable); 0.002 s/s, loads and stores counted, is 1 % (leave it off)."""
+    window = {**base().window, "ttft_seconds": 60.0}
+
+    def priced(saved: float) -> WhatIfState:
+        points = tuple(WhatIfPoint(p.cpu_buffer_bytes, p.hit_ratio, saved) for p in CURVE)
+        return WhatIfState(points, recomputed_after_eviction_tokens=70_000.0)
+
+    a = evaluate(inp(base(window=window), whatif=priced(0.05)))
+    assert a.action == Action.ENABLE_OFFLOAD and "saving about 0.050 s" in a.explanation
+    a = evaluate(inp(base(window=window), whatif=priced(0.002)))
+    assert a.action == Action.NO_ACTION and a.reason == "predicted_saving_immaterial"
+    assert "1.0%" in a.explanation
 
 
 def test_enable_respects_memory_headroom():
@@ -294,6 +311,65 @@ def test_copy_speed_alone_never_proves_offload_pays():
     )
     a = evaluate(inp(base(**{**ON, "offload_fit": unsure})))
     assert a.action == Action.INSUFFICIENT_DATA and "not yet distinguishable" in a.explanation
+
+
+# --- the window's balance (offload on) -------------------------------------------------------
+
+# The 8B chat run of the matrix, in round numbers: a loaded token saves 7.8 +- 4.4 us, 218k
+# were loaded, 575k computed, 1.96 s of store copies, 29.2 s of summed TTFT.
+CHAT_FIT = OffloadFit(
+    0.03, 19.8e-6, 12.0e-6, 148, 0.9, saving_stderr=2.2e-6, computed_stderr=1e-6, loaded_stderr=1e-6
+)
+CHAT_SUMS = {
+    "prompt_by_source:external_kv_transfer": 218_288.0,
+    "prompt_by_source:local_compute": 574_825.0,
+    "store_seconds": 1.96,
+    "ttft_seconds": 29.24,
+}
+
+
+def test_a_balance_that_cannot_reach_the_material_share_turns_offload_off():
+    bal = offload_balance(CHAT_FIT, CHAT_SUMS)
+    assert bal is not None and (bal.share(2.0) or 1.0) < DEFAULT.ttft_saving_material
+    d = base(**{**ON, "offload_fit": CHAT_FIT, "balance": bal, "transfer_speedup": 3.5})
+    a = evaluate(inp(d))
+    assert a.action == Action.DISABLE_OFFLOAD and a.reason == "ttft_saving_immaterial"
+    assert "storing every computed block cost" in a.explanation
+    assert a.numbers["offload_net_saving_seconds"] == pytest.approx(bal.net_seconds)
+    # Without the stores it would pay well: the same fit, no store time.
+    free = offload_balance(CHAT_FIT, {**CHAT_SUMS, "store_seconds": 0.0})
+    a = evaluate(inp(replace(d, balance=free)))
+    assert a.action != Action.DISABLE_OFFLOAD
+
+
+def test_a_balance_too_small_at_this_size_grows_when_a_larger_one_is_predicted_to_pay():
+    bal = offload_balance(CHAT_FIT, CHAT_SUMS)
+    d = base(**{**ON, "offload_fit": CHAT_FIT, "balance": bal, "transfer_speedup": 3.5})
+    big = (
+        WhatIfPoint(0.5 * GIB, 0.17, -0.001),
+        WhatIfPoint(4 * GIB, 0.60, 0.05),  # 15 s over 300 s: about half the TTFT
+    )
+    a = evaluate(inp(d, whatif=WhatIfState(big, 0.0, 0.17)))
+    assert a.action == Action.GROW_BUFFER and a.recommended_buffer_bytes == 4 * GIB
+    # Predicted to save too little there as well: off.
+    small = (WhatIfPoint(0.5 * GIB, 0.17, -0.001), WhatIfPoint(4 * GIB, 0.60, 0.001))
+    a = evaluate(inp(d, whatif=WhatIfState(small, 0.0, 0.17)))
+    assert a.action == Action.DISABLE_OFFLOAD
+
+
+def test_a_material_balance_stands_in_for_the_speedup_margin():
+    """A proven saving of 1.3x per token, below the 1.5x margin, whose balance saves a
+    material share even at its lower end: the per-load and store costs are measured, keep."""
+    fit = OffloadFit(
+        0.03, 40e-6, 30e-6, 100, 0.9, saving_stderr=1e-6, computed_stderr=1e-6, loaded_stderr=1e-6
+    )
+    sums = {**CHAT_SUMS, "store_seconds": 0.1, "prompt_by_source:external_kv_transfer": 400_000.0}
+    bal = offload_balance(fit, sums)
+    assert bal is not None and (bal.share(-2.0) or 0.0) >= DEFAULT.ttft_saving_material
+    d = base(**{**ON, "offload_fit": fit, "transfer_speedup": 3.5})
+    assert evaluate(inp(d)).reason == "speedup_uncertain"  # the fit alone: not yet
+    a = evaluate(inp(replace(d, balance=bal)))
+    assert a.action == Action.KEEP and "net +" in a.explanation
 
 
 @pytest.mark.parametrize(

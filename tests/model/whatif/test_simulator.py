@@ -399,7 +399,19 @@ def test_sampled_curve_is_within_002_of_exact() -> None:
 
 
 def test_ttft_saved_keeps_the_sign_and_needs_both_rates() -> None:
-    assert ttft_saved_seconds_per_second(1000.0, 10_000.0, 40_000.0) == pytest.approx(0.075)
-    assert ttft_saved_seconds_per_second(1000.0, 40_000.0, 10_000.0) == pytest.approx(-0.075)
+    # 1000 hit tokens/s at 100 us each, loaded at 40k tokens/s: 0.1 - 0.025 s/s.
+    assert ttft_saved_seconds_per_second(1000.0, 1e-4, 40_000.0) == pytest.approx(0.075)
+    # Recompute cheaper than a load: the sign says offload costs.
+    assert ttft_saved_seconds_per_second(1000.0, 2.5e-5, 10_000.0) == pytest.approx(-0.075)
     assert ttft_saved_seconds_per_second(1000.0, None, 10_000.0) is None
+    assert ttft_saved_seconds_per_second(1000.0, 1e-4, 0.0) is None
+    assert ttft_saved_seconds_per_second(1000.0, -1e-6, 10_000.0) is None
+
+
+def test_ttft_saved_charges_the_stores_of_every_computed_token() -> None:
+    """With offload every token computed without it crosses the link once: the 1000 hits are
+    loaded, the other 3000 computed tokens stored. 0.1 s saved - 4000 / 40k s moved."""
+    assert ttft_saved_seconds_per_second(1000.0, 1e-4, 40_000.0, 4000.0) == pytest.approx(0.0)
+    # Fewer computed tokens than hits cannot be: the hits are moved at least.
+    assert ttft_saved_seconds_per_second(1000.0, 1e-4, 40_000.0, 10.0) == pytest.approx(0.075)
     assert ttft_saved_seconds_per_second(1000.0, 10_000.0, 0.0) is None

@@ -14,6 +14,7 @@ from exporter.kvevents_codec import Message, decode_payload
 from exporter.model.advisor.types import PolicyPoint
 from exporter.model.derive.backends import BackendConfig, BackendDerived
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
+from exporter.model.derive.fits import PrefillFit
 from exporter.model.whatif.engine import (
     POLICY_COMBOS,
     Bucket,
@@ -39,7 +40,8 @@ from exporter.sources.kv_events.source import StreamItem
 from exporter.sources.vllm_http import VllmTarget
 from exporter.thresholds import DEFAULT
 from exporter.vllm_cmdline import LaunchConfig, launch_config
-from exporter.vllm_metrics import EngineKey
+from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
+from exporter.window import TargetWindow
 from testbed.replay import ReplayServer, Reply
 from tests.helpers import (
     E0,
@@ -112,14 +114,36 @@ def test_whatif_state_points_per_size() -> None:
         (1000.0, 0.15),
         (2000.0, 0.25),
     ]
+    # No breakdown of prompt tokens by source in this window: only the loads are charged, at
+    # the prefill fit's marginal cost (the engine has no TTFT fit).
     assert state.points[0].ttft_saved_seconds_per_second == ttft_saved_seconds_per_second(
-        30.0, 23_000.0, 110_000.0
+        30.0, 1 / 23_000.0, 110_000.0
     )
     assert state.recomputed_after_eviction_tokens == 160.0
     assert state.configured_hit_ratio == pytest.approx(75.0 / 2000.0)
     assert whatif_state(snapshot(sim_start=None), WINDOW, d, (1000, 2000)) is None
     with pytest.raises(ValueError):
         whatif_state(snapshot(), WINDOW, d, (1000,))  # sizes and curve must match
+
+
+def test_whatif_saving_charges_every_computed_token_once_at_the_ttft_cost() -> None:
+    """With prompt tokens by source, every token computed without offload crosses the link
+    once (hits loaded, the rest stored), and a TTFT fit prices the hits."""
+    w = TargetWindow(3600.0)
+    for ts, prompt, computed in ((0.0, 0.0, 0.0), (10.0, 1000.0, 600.0), (20.0, 3000.0, 1800.0)):
+        counters = {"prompt_tokens": prompt, "prompt_by_source:local_compute": computed}
+        w.add(TargetSample(ts=ts, engines={EK: EngineSample(counters=counters, gauges={})}))
+    view = window_view(snapshot(), w, EK)
+    assert view is not None and view.computed_tokens == 1200.0  # from the simulation's start
+    plain = window_view(snapshot(), WINDOW, EK)
+    assert plain is not None and plain.computed_tokens is None
+    d = derived(ttft_fit=PrefillFit(0.01, 50e-6, 30, 0.9, 5e-6))
+    state = whatif_state(snapshot(), w, d, (1000, 2000))
+    assert state is not None
+    # 300 hit tokens over 10 s at 50 us, minus 1200 computed tokens over 10 s at 110k/s.
+    assert state.points[0].ttft_saved_seconds_per_second == pytest.approx(
+        30.0 * 50e-6 - 120.0 / 110_000.0
+    )
 
 
 def test_policy_points_at_the_planned_size_only() -> None:

@@ -1,0 +1,55 @@
+"""The window's balance of offload: loaded tokens' measured saving minus the stores."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.model.derive.balance import OffloadBalance, offload_balance
+from exporter.model.derive.fits import OffloadFit
+
+# 40 us a computed token, 10 us a loaded one (saving 30 +- 2 us), valid.
+FIT = OffloadFit(0.005, 40e-6, 10e-6, 100, 0.9, 2e-6, 1e-6, 1e-6)
+SUMS = {
+    "prompt_by_source:external_kv_transfer": 100_000.0,
+    "prompt_by_source:local_compute": 400_000.0,
+    "store_seconds": 1.0,
+    "ttft_seconds": 20.0,
+}
+
+
+def test_saving_minus_the_stores_of_every_loaded_and_computed_token() -> None:
+    b = offload_balance(FIT, SUMS)
+    assert b is not None
+    assert b.saved_seconds == pytest.approx(3.0)  # 30 us x 100k loaded
+    # 1 s of stores over 400k computed tokens, charged to 500k tokens.
+    assert b.store_seconds == pytest.approx(1.25)
+    assert b.net_seconds == pytest.approx(1.75)
+    assert b.stderr_seconds == pytest.approx(0.2)
+    # Against the TTFT without offload: 20 s with it + 1.75 s saved.
+    assert b.share() == pytest.approx(1.75 / 21.75)
+    assert b.share(2.0) == pytest.approx(2.15 / 22.15)
+    assert b.share(-2.0) == pytest.approx(1.35 / 21.35)
+
+
+def test_a_balance_that_costs_has_a_negative_share() -> None:
+    b = offload_balance(FIT, {**SUMS, "store_seconds": 4.0})
+    assert b is not None and b.net_seconds == pytest.approx(-2.0)
+    share = b.share()
+    assert share is not None and share < 0
+
+
+def test_no_balance_without_a_valid_fit_its_error_or_the_sums() -> None:
+    assert offload_balance(None, SUMS) is None
+    assert offload_balance(FIT, None) is None
+    no_error = OffloadFit(0.005, 40e-6, 10e-6, 100, 0.9)
+    assert offload_balance(no_error, SUMS) is None
+    invalid = OffloadFit(0.005, -1e-6, 10e-6, 100, 0.9, 2e-6, 1e-6, 1e-6)
+    assert offload_balance(invalid, SUMS) is None
+    for key in ("prompt_by_source:external_kv_transfer", "prompt_by_source:local_compute"):
+        assert offload_balance(FIT, {**SUMS, key: 0.0}) is None
+    assert offload_balance(FIT, {**SUMS, "ttft_seconds": 0.0}) is None
+
+
+def test_share_is_undefined_when_the_time_without_offload_would_be_negative() -> None:
+    b = OffloadBalance(1.0, 1.0, 0.0, 30.0, 0.0, 10.0)
+    assert b.share() is None
