@@ -13,8 +13,9 @@ from exporter.catalogue import Family
 from exporter.kvevents_codec import Message, decode_payload
 from exporter.model.advisor.types import PolicyPoint
 from exporter.model.derive.backends import BackendConfig, BackendDerived
+from exporter.model.derive.balance import offload_balance
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
-from exporter.model.derive.fits import PrefillFit
+from exporter.model.derive.fits import OffloadFit, PrefillFit
 from exporter.model.whatif.engine import (
     POLICY_COMBOS,
     Bucket,
@@ -143,6 +144,36 @@ def test_whatif_saving_charges_every_computed_token_once_at_the_ttft_cost() -> N
     # 300 hit tokens over 10 s at 50 us, minus 1200 computed tokens over 10 s at 110k/s.
     assert state.points[0].ttft_saved_seconds_per_second == pytest.approx(
         30.0 * 50e-6 - 120.0 / 110_000.0
+    )
+
+
+def test_whatif_saving_with_offload_on_is_priced_as_the_balance() -> None:
+    """Offload on: a hit saves what a loaded token measurably saves, and every token computed
+    without offload costs the measured store time per token, as in the window's balance."""
+    w = TargetWindow(3600.0)
+    rows = ((0.0, 0.0, 0.0, 0.0), (10.0, 1000.0, 500.0, 100.0), (20.0, 3000.0, 1500.0, 300.0))
+    for ts, prompt, computed, loaded in rows:
+        counters = {
+            "prompt_tokens": prompt,
+            "prompt_by_source:local_compute": computed,
+            "prompt_by_source:external_kv_transfer": loaded,
+        }
+        w.add(TargetSample(ts=ts, engines={EK: EngineSample(counters=counters, gauges={})}))
+    fit = OffloadFit(0.0, 40e-6, 10e-6, 60, 0.9, 1e-6, 1e-6, 1e-6)
+    sums = {
+        "prompt_by_source:external_kv_transfer": 200.0,
+        "prompt_by_source:local_compute": 1000.0,
+        "store_seconds": 0.012,
+        "ttft_seconds": 4.0,
+    }
+    bal = offload_balance(fit, sums)
+    d = derived(offload_enabled=True, offload_fit=fit, balance=bal)
+    state = whatif_state(snapshot(), w, d, (1000, 2000))
+    assert state is not None and bal is not None
+    # Over 10 s: 300 hits x 30 us - 1200 tokens x the store time per computed token
+    # (0.012 s over the balance's 1000 computed tokens).
+    assert state.points[0].ttft_saved_seconds_per_second == pytest.approx(
+        (300 * 30e-6 - 1200 * 0.012 / 1000) / 10.0
     )
 
 
