@@ -781,7 +781,10 @@ def test_matrix_plan_session() -> None:
     scs = mk.resolve(names, SCENARIOS)
     plan = mk.plan_session(scs, 1400)
     assert plan.groups == (tuple(names),) and plan.skipped == ()
-    assert plan.est_total_s == 100 + 6 * (180 + mk.TURN_OVERHEAD_S)
+    # The group starts together: its slowest start (shapes.json), then one turn each.
+    start = max(sc.shape.est_start_s for sc in scs)
+    assert start == SCENARIOS["qwen3-8b-chat-none"].shape.est_start_s
+    assert plan.est_total_s == start + 6 * (180 + mk.TURN_OVERHEAD_S)
     short = mk.plan_session(scs, 700)
     assert short.groups == (tuple(names[:3]),) and short.skipped == tuple(names[3:])
     big = mk.resolve(
