@@ -75,6 +75,7 @@ class RunEval:
     predicted_saving: float | None = None  # runs without offload: the what-if at the size
     prediction_ok: bool | None = None
     predictions: tuple[Prediction, ...] = ()  # runs without offload: at every size measured
+    family: str = ""  # meta "pair": the same shape, workload and vLLM flags
 
 
 def _requests(run: Path) -> list[dict[str, Any]]:
@@ -114,14 +115,24 @@ def _judge(action: str, truth: str, verified: bool) -> tuple[bool, bool]:
     return agrees, harmful
 
 
-def _family(
+def _pairs(
     runs: Sequence[Path], metas: dict[str, dict[str, Any]], run: Path
-) -> tuple[Path | None, dict[float, Path]]:
-    """The run without offload and the offload runs by size of the run's pair family."""
+) -> dict[float, tuple[Path, Path]]:
+    """By offload size, (run without offload, offload run) of the run's pair family, each
+    offload run with the run without offload it is compared with (matrixkit.base_run); for a
+    run without offload only the pairs it is the base of."""
+    by_name = {r.name: r for r in runs}
     same = [r for r in runs if metas[r.name].get("pair") == metas[run.name].get("pair")]
-    base = next((r for r in same if _offload_bytes(metas[r.name]) is None), None)
-    sizes = {b: r for r in same if (b := _offload_bytes(metas[r.name])) is not None}
-    return base, sizes
+    out: dict[float, tuple[Path, Path]] = {}
+    for on in same:
+        size = _offload_bytes(metas[on.name])
+        base = matrixkit.base_run(metas, on.name) if size is not None else None
+        if size is None or base is None:
+            continue
+        if _offload_bytes(metas[run.name]) is None and base != run.name:
+            continue
+        out[size] = (by_name[base], on)
+    return out
 
 
 def evaluate(root: Path = MATRIX) -> list[RunEval]:
@@ -137,13 +148,13 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
     out: list[RunEval] = []
     for run in runs:
         own = _offload_bytes(metas[run.name])
-        base, sizes = _family(runs, metas, run)
+        pairs = _pairs(runs, metas, run)
         r = replay_one(run, Config())
         (final,) = (e for t in r.final.targets for e in t.engines)
         a = final.advice
         action, rec = str(a.action), a.recommended_buffer_bytes
         first = next(iter(r.first_decision.values()), None)
-        measured_at = {size: truth(base, on) for size, on in sizes.items() if base is not None}
+        measured_at = {size: truth(base, on) for size, (base, on) in pairs.items()}
         # The size the advice speaks about: keep/disable the run's own, enable/grow/shrink
         # the recommended one (verified only where a run of that size exists). "Leave it
         # off" speaks about every size: judged on the best one measured.
@@ -196,6 +207,7 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                 row.predicted if row is not None else None,
                 row.ok if row is not None else None,
                 tuple(predictions),
+                str(metas[run.name].get("pair", "")),
             )
         )
     return out

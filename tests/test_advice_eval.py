@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.advice_eval import MATRIX, _judge, evaluate, summary
+from bench.advice_eval import MATRIX, _judge, evaluate, matrixkit, summary
+
+GIB = 1 << 30
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +30,7 @@ def test_the_matrix_is_there_and_every_label_is_measured(evals) -> None:  # type
             assert e.truth in ("pays", "neutral", "costs"), e.run
         else:
             assert e.truth == "unknown" and e.pair_size_bytes is not None, e.run
-            family = e.run.rsplit("-", 1)[0]
-            sizes = {x.offload_bytes for x in evals if x.run.rsplit("-", 1)[0] == family}
+            sizes = {x.offload_bytes for x in evals if x.family == e.family}
             assert e.pair_size_bytes not in sizes, e.run
 
 
@@ -52,6 +53,32 @@ def test_every_saving_predicted_before_enabling_matches_what_enabling_measured(e
     s = summary(evals)
     assert s["predictions"] >= 7
     assert s["prediction_misses"] == []
+
+
+def test_a_control_run_without_offload_pairs_with_the_offload_runs_of_its_session(
+    tmp_path: Path,
+) -> None:
+    """A family split across device sessions: its run without offload recorded again (a
+    control, later in time) is the base of the offload run recorded beside it, and the first
+    one stays the base of the earlier offload run."""
+    for name in ("qwen3-8b-rag-zipf-none", "qwen3-8b-rag-zipf-cpu64k"):
+        shutil.copytree(MATRIX / name, tmp_path / name)
+    for name, src in (
+        ("qwen3-8b-rag-zipf-none-ctl", "qwen3-8b-rag-zipf-none"),
+        ("qwen3-8b-rag-zipf-cpu192k", "qwen3-8b-rag-zipf-cpu64k"),
+    ):
+        shutil.copytree(MATRIX / src, tmp_path / name)
+        meta = json.loads((tmp_path / name / "meta.json").read_text())
+        meta["traffic"]["t_traffic_start"] += 86_400.0  # a day later, on another machine
+        if name.endswith("cpu192k"):
+            meta["offload"]["size_gib"] = 27.0
+        (tmp_path / name / "meta.json").write_text(json.dumps(meta))
+    metas = {p.name: json.loads((p / "meta.json").read_text()) for p in tmp_path.iterdir()}
+    assert matrixkit.base_run(metas, "qwen3-8b-rag-zipf-cpu64k") == "qwen3-8b-rag-zipf-none"
+    assert matrixkit.base_run(metas, "qwen3-8b-rag-zipf-cpu192k") == "qwen3-8b-rag-zipf-none-ctl"
+    evals = {e.run: e for e in evaluate(tmp_path)}
+    assert {p.size_bytes for p in evals["qwen3-8b-rag-zipf-none"].predictions} == {9 * GIB}
+    assert {p.size_bytes for p in evals["qwen3-8b-rag-zipf-none-ctl"].predictions} == {27 * GIB}
 
 
 def test_judging_follows_the_definition() -> None:

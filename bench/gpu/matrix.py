@@ -880,26 +880,20 @@ def truth_table(root: Path) -> dict[str, Any]:
             "meta": meta,
             "totals": mk.run_totals(load_requests(m.parent)),
         }
+    metas = {n: r["meta"] for n, r in runs.items()}
     pairs: dict[str, Any] = {}
-    for name, r in runs.items():
-        meta = r["meta"]
-        if meta.get("offload") is None:
-            continue
-        base = next(
-            (
-                n
-                for n, b in runs.items()
-                if b["meta"].get("pair") == meta.get("pair") and b["meta"].get("offload") is None
-            ),
-            None,
-        )
+    drift: dict[str, Any] = {}
+    for name, meta in metas.items():
+        base = mk.base_run(metas, name)
         if base is None:
             continue
-        pairs[name] = {
-            "base": base,
-            **mk.paired_truth(load_requests(root / base), load_requests(root / name)),
-        }
-    return {"runs": {n: r["totals"] for n, r in runs.items()}, "pairs": pairs}
+        truth = mk.paired_truth(load_requests(root / base), load_requests(root / name))
+        if meta.get("offload") is not None:
+            pairs[name] = {"base": base, **truth}
+        elif mk.traffic_start(meta) > mk.traffic_start(metas[base]):
+            # A control: the same sequence without offload on a later machine.
+            drift[name] = {"base": base, **truth}
+    return {"runs": {n: r["totals"] for n, r in runs.items()}, "pairs": pairs, "drift": drift}
 
 
 def cmd_truth(a: argparse.Namespace) -> int:

@@ -906,6 +906,30 @@ def max_inflight(records: Iterable[Mapping[str, Any]]) -> int:
     return best
 
 
+def traffic_start(meta: Mapping[str, Any]) -> float:
+    traffic = meta.get("traffic")
+    t = traffic.get("t_traffic_start") if isinstance(traffic, Mapping) else None
+    return float(t) if isinstance(t, int | float) else 0.0
+
+
+def base_run(metas: Mapping[str, Mapping[str, Any]], name: str) -> str | None:
+    """The run without offload an offload run is compared with: of its pair family (the same
+    shape, workload and flags: meta "pair"), the one whose traffic started nearest in time.
+    A family split across device sessions records its run without offload again as a control
+    (scenarios/controls.json, `<run>-ctl`): the offload runs of each session pair with the run
+    of their own machine, and the two runs without offload measure the drift between them."""
+    meta = metas[name]
+    nones = [
+        n
+        for n, m in metas.items()
+        if m.get("pair") == meta.get("pair") and m.get("offload") is None and n != name
+    ]
+    if not nones:
+        return None
+    t = traffic_start(meta)
+    return min(nones, key=lambda n: (abs(traffic_start(metas[n]) - t), n))
+
+
 def paired_truth(
     base: Sequence[Mapping[str, Any]],
     offload: Sequence[Mapping[str, Any]],
