@@ -7,13 +7,15 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.whatif_vs_observed import open_text, read_text
 from exporter import expfmt
-from exporter.kvevents_codec import Message, read_records
+from exporter.kvevents_codec import Message, decode_payload, read_records
 from exporter.lmcache import lmcache_samples
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
+from exporter.sources.kv_events.source import StreamItem
 from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import WANTED, EngineKey, TargetSample, normalise
 from exporter.window import TargetWindow
@@ -122,3 +124,18 @@ def window_derived(
     )
     assert d is not None
     return d
+
+
+_ENC = msgspec.msgpack.Encoder()
+
+
+def items_until(msgs: list[Message], fed: int, t: float) -> tuple[list[StreamItem], int]:
+    """The recorded KV event batches published by time t, from position `fed` on, re-encoded
+    and decoded as the KV-event source decodes them; and the new position."""
+    items: list[StreamItem] = []
+    while fed < len(msgs) and msgs[fed].batch.ts <= t:
+        m = msgs[fed]
+        batch, _ = decode_payload(_ENC.encode([m.batch.ts, m.raw[1], m.batch.dp_rank or 0]))
+        items.append(StreamItem(0, Message(m.topic, m.seq, batch, None)))
+        fed += 1
+    return items, fed

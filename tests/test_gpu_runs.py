@@ -37,11 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from bench.whatif_vs_observed import open_text, read_text
-from exporter.kvevents_codec import Message, decode_payload, read_records
+from exporter.kvevents_codec import Message, read_records
 from exporter.model.advisor.hysteresis import Advisor
 from exporter.model.advisor.rules import evaluate
 from exporter.model.advisor.types import Action, Advice, AdvisorInput, MemoryState
@@ -50,11 +49,11 @@ from exporter.model.whatif.engine import WhatIf, WhatIfSettings
 from exporter.model.whatif.plan import sim_config
 from exporter.model.whatif.simulator import blocks_for_bytes
 from exporter.model.whatif.view import engine_rank, whatif_state
-from exporter.sources.kv_events.source import StreamItem
 from exporter.sources.nvml.poller import WrapCounter, link_bandwidth_bytes, max_poll_gap
 from exporter.sources.procfs.parsers import offload_pool, parse_smaps, parse_status
 from exporter.thresholds import DEFAULT, Thresholds
 from testbed.replay import ReplayServer, Reply
+from tests.helpers import items_until
 
 REPO = Path(__file__).resolve().parent.parent
 GPU = REPO / "tests" / "fixtures" / "gpu"
@@ -67,7 +66,6 @@ GIB = 1 << 30
 SETTLE_S = 4.0  # the driver's idle time after each workload, in which late stores land
 EVIDENCE = Thresholds(min_window_seconds=15.0)  # as the live run (exporter_cmd.txt)
 EVIDENCE_W1 = Thresholds(min_window_seconds=5.0, min_prompt_tokens=30_000.0)
-ENC = msgspec.msgpack.Encoder()
 
 
 # --- the recordings -----------------------------------------------------------------------------
@@ -262,13 +260,7 @@ async def _replay(run: Run, th: Thresholds, until: float | None, kv_override: bo
         try:
             for s in scrapes:
                 t = float(s["t"])
-                items: list[StreamItem] = []
-                while fed < len(msgs) and msgs[fed].batch.ts <= t:
-                    m = msgs[fed]
-                    payload = ENC.encode([m.batch.ts, m.raw[1], m.batch.dp_rank or 0])
-                    batch, _ = decode_payload(payload)  # as KvEventsSource decodes it
-                    items.append(StreamItem(0, Message(m.topic, m.seq, batch, None)))
-                    fed += 1
+                items, fed = items_until(msgs, fed, t)
                 sim.step(items)  # a size planned last cycle is applied before the batches
                 now[0] = t
                 await target.collect()

@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import msgspec
 import pytest
 
 from exporter.catalogue import Family
-from exporter.kvevents_codec import Message, decode_payload
 from exporter.model.advisor.types import PolicyPoint
 from exporter.model.derive.backends import BackendConfig, BackendDerived
 from exporter.model.derive.balance import offload_balance
@@ -37,7 +35,6 @@ from exporter.model.whatif.view import (
 )
 from exporter.options import TargetConfig
 from exporter.render.whatif import whatif_families
-from exporter.sources.kv_events.source import StreamItem
 from exporter.sources.vllm_http import VllmTarget
 from exporter.thresholds import DEFAULT
 from exporter.vllm_cmdline import LaunchConfig, launch_config
@@ -51,6 +48,7 @@ from tests.helpers import (
     gpu_events,
     gpu_metrics,
     gpu_scrapes,
+    items_until,
     raw,
     recorded_cmd,
 )
@@ -254,7 +252,6 @@ async def _replay_exporter(
         clock=lambda: now[0],
     )
     source = _Whatif(target, WhatIfSettings(sizes_bytes=(GIB // 4, GIB // 2)), recommended)
-    enc = msgspec.msgpack.Encoder()
     fed = 0
     d: EngineDerived | None = None
     with server:
@@ -262,13 +259,7 @@ async def _replay_exporter(
         try:
             for s in scrapes:
                 t = float(s["t"])
-                items: list[StreamItem] = []
-                while fed < len(msgs) and msgs[fed].batch.ts <= t:
-                    m = msgs[fed]
-                    payload = enc.encode([m.batch.ts, m.raw[1], m.batch.dp_rank or 0])
-                    batch, _ = decode_payload(payload)  # as KvEventsSource decodes it
-                    items.append(StreamItem(0, Message(m.topic, m.seq, batch, None)))
-                    fed += 1
+                items, fed = items_until(msgs, fed, t)
                 source.sim.step(items)  # the config planned last cycle first
                 now[0] = t
                 await target.collect()
