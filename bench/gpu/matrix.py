@@ -872,7 +872,8 @@ def load_requests(d: Path) -> list[dict[str, Any]]:
 
 
 def truth_table(root: Path) -> dict[str, Any]:
-    """Per recording: totals; per pair (same shape, workload, flags): the paired truth."""
+    """Per recording: totals; per pair (same shape, workload, flags): the paired truth; per
+    family, the difference between two of its runs that did the same work (noise)."""
     runs: dict[str, Any] = {}
     for m in sorted(root.glob("*/meta.json")):
         meta = json.loads(m.read_text())
@@ -881,19 +882,31 @@ def truth_table(root: Path) -> dict[str, Any]:
             "totals": mk.run_totals(load_requests(m.parent)),
         }
     metas = {n: r["meta"] for n, r in runs.items()}
+    records = {n: load_requests(root / n) for n in metas}
+    noise = mk.family_noise(metas, records)
     pairs: dict[str, Any] = {}
     drift: dict[str, Any] = {}
     for name, meta in metas.items():
         base = mk.base_run(metas, name)
         if base is None:
             continue
-        truth = mk.paired_truth(load_requests(root / base), load_requests(root / name))
+        truth = mk.paired_truth(
+            records[base],
+            records[name],
+            threshold=mk.truth_threshold(noise.get(str(meta.get("pair", "")))),
+            noise=mk.noise_of(noise.get(str(meta.get("pair", "")))),
+        )
         if meta.get("offload") is not None:
             pairs[name] = {"base": base, **truth}
         elif mk.traffic_start(meta) > mk.traffic_start(metas[base]):
             # A control: the same sequence without offload on a later machine.
             drift[name] = {"base": base, **truth}
-    return {"runs": {n: r["totals"] for n, r in runs.items()}, "pairs": pairs, "drift": drift}
+    return {
+        "runs": {n: r["totals"] for n, r in runs.items()},
+        "pairs": pairs,
+        "drift": drift,
+        "noise": noise,
+    }
 
 
 def cmd_truth(a: argparse.Namespace) -> int:

@@ -26,8 +26,15 @@ PAGE = 4096
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 
 # Offload pays when it cuts the summed TTFT of the identical request sequence by at least 3%,
-# costs when it adds 3% or more; in between it is neutral (issue 16).
+# costs when it adds 3% or more; in between it is neutral (issue 16). A family whose runs
+# differ by more than that when they did the same work on one machine (`family_noise`) needs
+# a change larger than that difference (docs/advisor.md, "Ground truth").
 TRUTH_THRESHOLD = 0.03
+# Runs whose traffic started this close ran on one machine: a device session holds its
+# machine for at most 30 minutes, and sessions were hours apart.
+SAME_MACHINE_S = 1800.0
+# Two runs did the same work when this share of their requests had the same cached tokens.
+SAME_WORK_SHARE = 0.99
 
 # --------------------------------------------------------------------------------------------
 # Shapes
@@ -930,14 +937,67 @@ def base_run(metas: Mapping[str, Mapping[str, Any]], name: str) -> str | None:
     return min(nones, key=lambda n: (abs(traffic_start(metas[n]) - t), n))
 
 
+def same_work(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) -> bool:
+    """Both runs completed the same requests, and (nearly) every one of them with the same
+    cached tokens: the GPU computed and the link moved the same tokens in both."""
+    ra, rb = _ok(a), _ok(b)
+    if not ra or set(ra) != set(rb):
+        return False
+    same = sum(1 for i in ra if ra[i].get("cached_tokens") == rb[i].get("cached_tokens"))
+    return same >= SAME_WORK_SHARE * len(ra)
+
+
+def family_noise(
+    metas: Mapping[str, Mapping[str, Any]], records: Mapping[str, Sequence[Mapping[str, Any]]]
+) -> dict[str, dict[str, Any]]:
+    """Per pair family with two runs that did the same work on one machine (both with offload
+    or both without, the same cached tokens per request, traffic within SAME_MACHINE_S): the
+    largest relative difference of their summed TTFT and the two runs. Such a difference is
+    the machine's, not offload's: a change no larger than it is not measured."""
+    out: dict[str, dict[str, Any]] = {}
+    names = sorted(metas)
+    for i, x in enumerate(names):
+        for y in names[i + 1 :]:
+            mx, my = metas[x], metas[y]
+            if mx.get("pair") != my.get("pair") or (mx.get("offload") is None) != (
+                my.get("offload") is None
+            ):
+                continue
+            if abs(traffic_start(mx) - traffic_start(my)) > SAME_MACHINE_S:
+                continue
+            if not same_work(records[x], records[y]):
+                continue
+            sx = sum(float(r["ttft_s"]) for r in _ok(records[x]).values())
+            sy = sum(float(r["ttft_s"]) for r in _ok(records[y]).values())
+            rel = abs(sx - sy) / min(sx, sy) if min(sx, sy) > 0 else 0.0
+            family = str(mx.get("pair", ""))
+            if rel > out.get(family, {}).get("relative_difference", -1.0):
+                out[family] = {"relative_difference": round(rel, 5), "runs": [x, y]}
+    return out
+
+
+def noise_of(noise: Mapping[str, Any] | None) -> float:
+    """The family's relative difference between runs that did the same work (0: none known)."""
+    rel = noise.get("relative_difference") if noise else None
+    return float(rel) if isinstance(rel, int | float) else 0.0
+
+
+def truth_threshold(noise: Mapping[str, Any] | None) -> float:
+    """The change a pair of the family must exceed to pay or cost (see TRUTH_THRESHOLD)."""
+    return max(TRUTH_THRESHOLD, noise_of(noise))
+
+
 def paired_truth(
     base: Sequence[Mapping[str, Any]],
     offload: Sequence[Mapping[str, Any]],
     *,
     threshold: float = TRUTH_THRESHOLD,
+    noise: float = 0.0,
 ) -> dict[str, Any]:
     """Summed TTFT of the requests both runs completed (matched by position i, the prompts are
-    identical by construction), the relative change, the verdict, and throughput."""
+    identical by construction), the relative change, the verdict, and throughput. `noise`
+    (family_noise's relative difference) is also stated per second of traffic: a saving is
+    not measured more finely than that."""
     a, b = _ok(base), _ok(offload)
     common = sorted(set(a) & set(b))
     if not common:
@@ -954,8 +1014,11 @@ def paired_truth(
         "summed_ttft_base_s": round(sa, 6),
         "summed_ttft_offload_s": round(sb, 6),
         "relative_change": round(rel, 5),
+        "threshold": threshold,
         "verdict": verdict(rel, threshold),
+        "verdict_3pct": verdict(rel, TRUTH_THRESHOLD),
         "ttft_saved_s_per_s": round((sa - sb) / span, 6),
+        "noise_s_per_s": round(noise * sa / span, 6),
         "cached_tokens_base": ta["cached_tokens"],
         "cached_tokens_offload": tb["cached_tokens"],
         "requests_per_s_base": ta["requests_per_s"],

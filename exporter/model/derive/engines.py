@@ -29,6 +29,11 @@ class DeriveSettings:
     assumed_load_bandwidth: float | None = None  # bytes/s, for engines without offload
     link_bandwidth: float | None = None  # bytes/s, theoretical host link (from NVML)
     link_efficiency: float = 0.56  # achieved/theoretical for vLLM's block copies (H200: 31/55)
+    # What a load from a CPU tier costs a request beyond its copy: vLLM loads asynchronously
+    # and the request is scheduled at a step after the copy is seen done. On the H200 matrix
+    # (vLLM 0.26, docs/whatif.md) queue time per load minus copy time per load was 5.8 ms
+    # (0.6B) and 7.5-11.6 ms (8B) wherever requests did not queue for other reasons.
+    load_wait_seconds: float = 0.009
     min_fit_points: int = 4
     launch: LaunchConfig | None = None  # the target's vLLM command line, when readable
 
@@ -64,6 +69,7 @@ class EngineDerived:
     backend: BackendDerived | None = None  # connector/spec/tiers and per-backend values
     balance: OffloadBalance | None = None  # offload on: the window's TTFT saved minus stores
     ttft_fit: PrefillFit | None = None  # offload off: summed TTFT on requests, computed tokens
+    load_wait_seconds: float = 0.0  # per load beyond its copy (DeriveSettings), for the what-if
 
 
 def _ratio(sums: tuple[float, ...] | None) -> float | None:
@@ -315,6 +321,7 @@ def derive_engine(
         transfer_estimated=estimated,
         transfer_speedup=speedup,
         transfer_speedup_lower=speedup_lower,
+        load_wait_seconds=settings.load_wait_seconds,
         window=window,
         totals=dict(totals),
         backend=backend_derived(

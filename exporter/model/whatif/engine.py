@@ -82,6 +82,7 @@ class Bucket:
     stored_tokens: float
     configured_hits: float  # at the configured buffer (0 without one)
     hits: tuple[float, ...]  # one per SimConfig.capacities entry at the time
+    recomputing_requests: float = 0.0  # requests that recomputed an evicted block
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,17 +132,25 @@ class StreamItemLike(Protocol):
 class _Open:
     """The newest bucket, still being added to."""
 
-    __slots__ = ("configured", "hits", "recomputed", "start", "stored")
+    __slots__ = ("configured", "hits", "recomputed", "recomputing", "start", "stored")
 
     def __init__(self, start: float, width: int) -> None:
         self.start = start
         self.recomputed = 0.0
+        self.recomputing = 0.0
         self.stored = 0.0
         self.configured = 0.0
         self.hits = [0.0] * width
 
     def bucket(self) -> Bucket:
-        return Bucket(self.start, self.recomputed, self.stored, self.configured, tuple(self.hits))
+        return Bucket(
+            self.start,
+            self.recomputed,
+            self.stored,
+            self.configured,
+            tuple(self.hits),
+            self.recomputing,
+        )
 
     def policy_bucket(self) -> PolicyBucket:
         return PolicyBucket(self.start, tuple(self.hits))
@@ -248,7 +257,7 @@ class EngineSim:
 
     def process(self, msg: Message) -> None:
         st = self.builder.stats
-        rec0, stored0 = st.recomputed_tokens, st.stored_tokens
+        rec0, stored0, reqs0 = st.recomputed_tokens, st.stored_tokens, st.recomputing_requests
         accesses = self.builder.process(msg.batch, msg.seq)
         self.batches += 1
         ts = msg.batch.ts
@@ -263,6 +272,7 @@ class EngineSim:
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
         b = self._bucket(ts)
         b.recomputed += st.recomputed_tokens - rec0
+        b.recomputing += st.recomputing_requests - reqs0
         b.stored += st.stored_tokens - stored0
         b.configured += conf
         for i, h in enumerate(hits[: len(b.hits)]):

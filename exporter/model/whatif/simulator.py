@@ -132,6 +132,9 @@ class TraceStats:
     loaded_blocks: int = 0
     recomputed_blocks: int = 0
     recomputed_tokens: int = 0
+    # Requests that recomputed at least one evicted block: each would have waited for one
+    # load from a CPU tier, the what-if's count of loads.
+    recomputing_requests: int = 0
     requests: int = 0
     continuations: int = 0
     unknown_parent: int = 0
@@ -183,6 +186,7 @@ class TraceBuilder:
         self.tails: OrderedDict[int, tuple[int, int]] = OrderedDict()  # tail -> (req, seq)
         self.stats = TraceStats()
         self._next_req = 0
+        self._last_recomputing = -1
         self._block_size = 0
 
     @property
@@ -312,6 +316,7 @@ class TraceBuilder:
         st.stored_blocks += n
         st.stored_tokens += n * bs
         evicted, cpu = self.evicted, self.cpu
+        recomputed = 0
         for h in hashes:
             if h in evicted and h not in self.parent:
                 if h in cpu:
@@ -319,6 +324,7 @@ class TraceBuilder:
                     st.loaded_blocks += 1
                     self.cpu_loaded.add(h)
                 else:
+                    recomputed += 1
                     st.recomputed_blocks += 1
                     st.recomputed_tokens += bs
                 evicted_at, born = evicted.pop(h)
@@ -340,6 +346,9 @@ class TraceBuilder:
             req, first = self._next_req, True
             self._next_req += 1
             st.requests += 1
+        if recomputed and req != self._last_recomputing:
+            st.recomputing_requests += 1  # once per request, however its prefill is chunked
+            self._last_recomputing = req
         self._open(hashes[-1], req, seq)
         blocks = prefix + list(hashes)
         computed = len(prefix)
@@ -1192,6 +1201,8 @@ def ttft_saved_seconds_per_second(
     seconds_per_computed_token: float | None,
     transfer_tokens_per_second: float | None,
     computed_tokens_per_second: float | None = None,
+    loads_per_second: float = 0.0,
+    seconds_per_load: float = 0.0,
 ) -> float | None:
     """Summed TTFT saved per second by a CPU tier serving these hits: negative when it costs.
 
@@ -1199,6 +1210,8 @@ def ttft_saved_seconds_per_second(
     stored, at the same copy speed. Without offload `computed_tokens_per_second` were
     computed, hits included, so the tier moves each of them once over the link:
     hits x cost - computed / transfer. Without a computed rate only the loads are charged.
+    Each load also keeps its request waiting `seconds_per_load` beyond the copy (vLLM
+    schedules it at a step after the copy is seen done), however few tokens it brings.
     """
     if seconds_per_computed_token is None or transfer_tokens_per_second is None:
         return None
@@ -1207,4 +1220,8 @@ def ttft_saved_seconds_per_second(
     moved = hit_tokens_per_second
     if computed_tokens_per_second is not None:
         moved = max(computed_tokens_per_second, hit_tokens_per_second)
-    return hit_tokens_per_second * seconds_per_computed_token - moved / transfer_tokens_per_second
+    return (
+        hit_tokens_per_second * seconds_per_computed_token
+        - moved / transfer_tokens_per_second
+        - loads_per_second * seconds_per_load
+    )

@@ -32,6 +32,15 @@ class WhatIfView:
     # Tokens the engine would compute without offload over the same span (computed plus
     # loaded from a CPU tier): every one of them crosses the link once with offload on.
     computed_tokens: float | None = None
+    recomputing_requests: float = 0.0  # requests that recomputed an evicted block
+
+    def loads(self, hits: float) -> float:
+        """Loads from a CPU tier serving `hits` tokens: every request that recomputed an
+        evicted prefix loads it once at the size that holds them all (hits = recomputed);
+        a smaller tier serves a share of those prefixes, as many loads of the same mean size."""
+        if self.recomputed_tokens <= 0:
+            return 0.0
+        return self.recomputing_requests * min(1.0, hits / self.recomputed_tokens)
 
 
 def engine_rank(key: EngineKey) -> int | None:
@@ -90,9 +99,11 @@ def window_view(
     hits = [0.0] * k
     conf = 0.0
     recomputed = 0.0
+    recomputing = 0.0
     for b in es.buckets:
         if t0 <= b.start < t1 and len(b.hits) == k:
             recomputed += b.recomputed_tokens
+            recomputing += b.recomputing_requests
             conf += b.configured_hits
             for i in range(k):
                 hits[i] += b.hits[i]
@@ -103,6 +114,7 @@ def window_view(
         conf if es.configured_blocks is not None else None,
         recomputed,
         computed,
+        recomputing,
     )
 
 
@@ -166,6 +178,8 @@ def whatif_state(
             cost,
             d.transfer_tokens_per_second,
             computed / view.seconds if computed is not None else None,
+            view.loads(hits) / view.seconds,
+            d.load_wait_seconds,
         )
 
     points = tuple(

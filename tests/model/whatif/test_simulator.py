@@ -69,6 +69,7 @@ def test_cpu_fixture_recomputed_after_eviction_is_the_request_pattern() -> None:
     # the 5 batches; 20 stored events of 12 blocks each, 222 removals.
     assert st_.recomputed_blocks == 60
     assert st_.recomputed_tokens == 60 * 128
+    assert st_.recomputing_requests == 5  # one load per batch's request A, had a tier held it
     assert st_.stored_blocks == 240
     assert st_.requests == 20
     assert st_.events == {("BlockStored", "GPU"): 20, ("BlockRemoved", "GPU"): 222}
@@ -406,6 +407,28 @@ def test_ttft_saved_keeps_the_sign_and_needs_both_rates() -> None:
     assert ttft_saved_seconds_per_second(1000.0, None, 10_000.0) is None
     assert ttft_saved_seconds_per_second(1000.0, 1e-4, 0.0) is None
     assert ttft_saved_seconds_per_second(1000.0, -1e-6, 10_000.0) is None
+
+
+def test_ttft_saved_charges_the_wait_of_every_load() -> None:
+    """Two loads a second, each waiting 10 ms for a scheduler step beyond its copy: 0.02 s/s
+    less than the tokens alone save, whatever their number."""
+    plain = ttft_saved_seconds_per_second(1000.0, 1e-4, 40_000.0, 4000.0)
+    assert plain is not None
+    waited = ttft_saved_seconds_per_second(1000.0, 1e-4, 40_000.0, 4000.0, 2.0, 0.01)
+    assert waited == pytest.approx(plain - 0.02)
+
+
+def test_builder_counts_a_recomputing_request_once_however_it_is_chunked() -> None:
+    b = TraceBuilder()
+    b.process(msg(0, [stored([1, 2, 3], None)]).batch, 0)
+    b.process(msg(1, [removed([1, 2, 3])]).batch, 1)
+    # The prefix comes back in two chunks of one request, then in a second request.
+    b.process(msg(5, [stored([1, 2], None)]).batch, 5)
+    b.process(msg(6, [stored([3, 4], 2)]).batch, 6)
+    assert b.stats.recomputed_blocks == 3 and b.stats.recomputing_requests == 1
+    b.process(msg(20, [removed([1, 2, 3, 4])]).batch, 20)
+    b.process(msg(30, [stored([1, 2, 3, 4], None)]).batch, 30)
+    assert b.stats.recomputing_requests == 2
 
 
 def test_ttft_saved_charges_the_stores_of_every_computed_token() -> None:

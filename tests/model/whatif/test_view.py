@@ -105,6 +105,27 @@ def test_window_view_sums_the_covered_buckets_of_the_current_curve() -> None:
     assert window_view(snapshot(sim_start=None), WINDOW, EK) is None
 
 
+def test_loads_scale_with_the_share_of_recomputed_prefixes_served() -> None:
+    """Every request that recomputed an evicted prefix loads once where the tier holds them
+    all; a tier serving a quarter of those tokens, a quarter as many loads."""
+    buckets = (Bucket(10.0, 100.0, 0.0, 0.0, (25.0, 100.0), 4.0),)
+    view = window_view(snapshot(buckets=buckets), WINDOW, EK)
+    assert view is not None and view.recomputing_requests == 4.0
+    assert [view.loads(h) for h in view.hits] == [1.0, 4.0]
+    assert view.loads(500.0) == 4.0  # never more loads than requests that recomputed
+    assert WhatIfView(1.0, 1.0, (0.0,), None, 0.0).loads(10.0) == 0.0
+    # The what-if charges each load its wait beyond the copy (10 ms): 4 loads over 10 s.
+    snap = snapshot(buckets=buckets)
+    free = whatif_state(snap, WINDOW, derived(), (1000, 2000))
+    waited = whatif_state(snap, WINDOW, derived(load_wait_seconds=0.01), (1000, 2000))
+    assert free is not None and waited is not None
+    saved = [
+        (a.ttft_saved_seconds_per_second or 0.0) - (b.ttft_saved_seconds_per_second or 0.0)
+        for a, b in zip(free.points, waited.points, strict=True)
+    ]
+    assert saved == pytest.approx([0.001, 0.004])
+
+
 def test_whatif_state_points_per_size() -> None:
     d = derived()
     state = whatif_state(snapshot(configured_blocks=4), WINDOW, d, (1000, 2000))
