@@ -854,6 +854,33 @@ def test_matrix_paired_truth() -> None:
     assert mk.max_inflight(overlapping) == 3
 
 
+def test_matrix_noise_band_from_two_runs_of_the_same_work_on_one_gpu() -> None:
+    """Two offload runs of a family that served the same cached tokens on one GPU differ by
+    10 %: a +5 % change of the family is neutral, +12 % costs. The same pair on two GPUs (or
+    with other cached tokens) sets no band."""
+
+    def meta(start: float, uuid: str | None, offload: object = None) -> dict[str, object]:
+        gpu = {"uuid": uuid} if uuid else {}
+        return {"pair": "f", "offload": offload, "gpu": gpu, "traffic": {"t_traffic_start": start}}
+
+    runs = {"a": _recs([0.10] * 10, 64), "b": _recs([0.11] * 10, 64)}
+    on_one = {"a": meta(0, "GPU-1", {"size_gib": 9}), "b": meta(9000, "GPU-1", {"size_gib": 27})}
+    noise = mk.family_noise(on_one, runs)
+    assert noise["f"]["relative_difference"] == pytest.approx(0.1)
+    band = mk.truth_threshold(noise["f"])
+    base = _recs([0.1] * 10)
+    assert mk.paired_truth(base, _recs([0.105] * 10), threshold=band)["verdict"] == "neutral"
+    assert mk.paired_truth(base, _recs([0.112] * 10), threshold=band)["verdict"] == "costs"
+    two_gpus = {"a": on_one["a"], "b": meta(0, "GPU-2", {"size_gib": 27})}
+    assert mk.family_noise(two_gpus, runs) == {}
+    # Without a UUID, traffic within one device session counts as one machine.
+    assert mk.family_noise({"a": meta(0, None, 9), "b": meta(600, None, 27)}, runs) != {}
+    assert mk.family_noise({"a": meta(0, None, 9), "b": meta(9000, None, 27)}, runs) == {}
+    other_work = {"a": runs["a"], "b": _recs([0.11] * 10, 128)}
+    assert mk.family_noise(on_one, other_work) == {}
+    assert mk.truth_threshold(None) == mk.TRUTH_THRESHOLD
+
+
 class _FakeVllm(BaseHTTPRequestHandler):
     seen: ClassVar[list[int]] = []
 

@@ -222,6 +222,12 @@ def nvml_link() -> dict[str, Any]:
         h = pynvml.nvmlDeviceGetHandleByIndex(0)
         name = pynvml.nvmlDeviceGetName(h)
         out["name"] = name.decode() if isinstance(name, bytes) else name
+        try:
+            # Which physical GPU: runs of one family compare only on one machine (truth noise).
+            uuid = pynvml.nvmlDeviceGetUUID(h)
+            out["uuid"] = uuid.decode() if isinstance(uuid, bytes) else uuid
+        except Exception as exc:
+            out["uuid_error"] = str(exc)
         for key, fn in (
             ("gen_current", "nvmlDeviceGetCurrPcieLinkGeneration"),
             ("gen_max", "nvmlDeviceGetMaxPcieLinkGeneration"),

@@ -30,8 +30,9 @@ SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 # differ by more than that when they did the same work on one machine (`family_noise`) needs
 # a change larger than that difference (docs/advisor.md, "Ground truth").
 TRUTH_THRESHOLD = 0.03
-# Runs whose traffic started this close ran on one machine: a device session holds its
-# machine for at most 30 minutes, and sessions were hours apart.
+# Runs whose traffic started this close ran on one machine when their meta does not name the
+# GPU (meta "gpu" "uuid", recorded from session 4 on): a device session holds its machine for
+# at most 30 minutes, and sessions were hours apart.
 SAME_MACHINE_S = 1800.0
 # Two runs did the same work when this share of their requests had the same cached tokens.
 SAME_WORK_SHARE = 0.99
@@ -947,6 +948,17 @@ def same_work(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]) ->
     return same >= SAME_WORK_SHARE * len(ra)
 
 
+def same_machine(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Both runs on one GPU: the same NVML UUID where both metas have one, else traffic
+    started within SAME_MACHINE_S."""
+    ua, ub = (
+        m.get("gpu", {}).get("uuid") if isinstance(m.get("gpu"), Mapping) else None for m in (a, b)
+    )
+    if isinstance(ua, str) and isinstance(ub, str):
+        return ua == ub
+    return abs(traffic_start(a) - traffic_start(b)) <= SAME_MACHINE_S
+
+
 def family_noise(
     metas: Mapping[str, Mapping[str, Any]], records: Mapping[str, Sequence[Mapping[str, Any]]]
 ) -> dict[str, dict[str, Any]]:
@@ -963,7 +975,7 @@ def family_noise(
                 my.get("offload") is None
             ):
                 continue
-            if abs(traffic_start(mx) - traffic_start(my)) > SAME_MACHINE_S:
+            if not same_machine(mx, my):
                 continue
             if not same_work(records[x], records[y]):
                 continue
