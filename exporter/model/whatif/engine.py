@@ -43,6 +43,12 @@ from exporter.model.whatif.simulator import (
     make_model,
 )
 
+# Candidate TTFT floors, in tokens computed by one prefill (view.floor_fit): below its floor a
+# prefill costs its request the same however few tokens it computes (kernel launches and
+# weight reads, not FLOPs, bound a short prefill), so a load that leaves a shorter suffix
+# saves only down to the floor. 0 first: no floor.
+FLOORS: tuple[int, ...] = (0, 128, 256, 512, 1024, 2048, 4096)
+
 # Eviction policies and store thresholds replayed side by side at one size (the configured
 # buffer, or the recommended one with offload off): the advisor says which serves more.
 POLICY_COMBOS: tuple[tuple[str, int], ...] = (("lru", 0), ("arc", 0), ("lru", 2), ("arc", 2))
@@ -60,6 +66,10 @@ class WhatIfSettings:
     blocks_per_chunk: int = 1
     bucket_seconds: float = 0.5
     history_seconds: float = 900.0
+    # Prefills kept for the TTFT floor fit (view.floor_fit), newest last: 4096 of them are
+    # 7 minutes of 10 new requests a second, ~420 B each (1.7 MB per engine at most); the fit
+    # uses the window's intervals they cover.
+    prefill_history: int = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +127,9 @@ class EngineSnapshot:
     reuse_gap_blocks: tuple[int, ...] = ()
     reuse_gap_seconds: tuple[int, ...] = ()
     block_size: int = 0  # tokens per GPU block, once an event said it
+    # Per prefill, oldest first: (ts, tokens computed, of them recomputed after an eviction,
+    # running sums of max(tokens computed, F) for F in FLOORS, this prefill included).
+    prefills: tuple[tuple[float, int, int, tuple[float, ...]], ...] = ()
 
 
 class StreamItemLike(Protocol):
@@ -199,6 +212,10 @@ class EngineSim:
         self.policy_sims: list[VllmCpuTier] = []
         self.policy_start: float | None = None
         self.policy_buckets: _History[PolicyBucket] = _History(maxlen, _Open.policy_bucket)
+        self.prefills: deque[tuple[float, int, int, tuple[float, ...]]] = deque(
+            maxlen=settings.prefill_history
+        )
+        self._floor_sums: tuple[float, ...] = (0.0,) * len(FLOORS)
 
     def _configure_policies(self, blocks: int | None) -> None:
         self.policy_sims = (
@@ -261,6 +278,12 @@ class EngineSim:
         accesses = self.builder.process(msg.batch, msg.seq)
         self.batches += 1
         ts = msg.batch.ts
+        for n, r in self.builder.prefills:
+            # Running sums: an interval's sum is a difference of two, not a pass per floor.
+            self._floor_sums = tuple(
+                c + max(n, f) for c, f in zip(self._floor_sums, FLOORS, strict=True)
+            )
+            self.prefills.append((ts, n, r, self._floor_sums))
         hits: list[float] = []
         conf = 0.0
         if self.model is not None:
@@ -321,6 +344,7 @@ class EngineSim:
             reuse_gap_blocks=tuple(st.reuse_gap_blocks.counts),
             reuse_gap_seconds=tuple(st.reuse_gap_seconds.counts),
             block_size=self.builder.block_size,
+            prefills=tuple(self.prefills),
         )
 
 

@@ -187,6 +187,9 @@ class TraceBuilder:
         self.stats = TraceStats()
         self._next_req = 0
         self._last_recomputing = -1
+        # The last process() call's prefills: (tokens computed, of them recomputed after an
+        # eviction) per GPU store that was not a decode block, for the TTFT floor fit.
+        self.prefills: list[tuple[int, int]] = []
         self._block_size = 0
 
     @property
@@ -261,6 +264,7 @@ class TraceBuilder:
 
     def process(self, batch: EventBatch, seq: int) -> list[Access]:
         out: list[Access] = []
+        self.prefills.clear()
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 self._count("BlockStored", ev.medium)
@@ -349,6 +353,7 @@ class TraceBuilder:
         if recomputed and req != self._last_recomputing:
             st.recomputing_requests += 1  # once per request, however its prefill is chunked
             self._last_recomputing = req
+        self.prefills.append((n * bs, recomputed * bs))
         self._open(hashes[-1], req, seq)
         blocks = prefix + list(hashes)
         computed = len(prefix)
@@ -1203,6 +1208,7 @@ def ttft_saved_seconds_per_second(
     computed_tokens_per_second: float | None = None,
     loads_per_second: float = 0.0,
     seconds_per_load: float = 0.0,
+    priced_tokens_per_second: float | None = None,
 ) -> float | None:
     """Summed TTFT saved per second by a CPU tier serving these hits: negative when it costs.
 
@@ -1212,6 +1218,8 @@ def ttft_saved_seconds_per_second(
     hits x cost - computed / transfer. Without a computed rate only the loads are charged.
     Each load also keeps its request waiting `seconds_per_load` beyond the copy (vLLM
     schedules it at a step after the copy is seen done), however few tokens it brings.
+    `priced_tokens_per_second` (default: the hits) are the tokens whose computing the hits
+    save: fewer where prefills have a floor (view.floor_fit).
     """
     if seconds_per_computed_token is None or transfer_tokens_per_second is None:
         return None
@@ -1220,8 +1228,11 @@ def ttft_saved_seconds_per_second(
     moved = hit_tokens_per_second
     if computed_tokens_per_second is not None:
         moved = max(computed_tokens_per_second, hit_tokens_per_second)
+    priced = hit_tokens_per_second
+    if priced_tokens_per_second is not None:
+        priced = priced_tokens_per_second
     return (
-        hit_tokens_per_second * seconds_per_computed_token
+        priced * seconds_per_computed_token
         - moved / transfer_tokens_per_second
         - loads_per_second * seconds_per_load
     )

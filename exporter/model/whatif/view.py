@@ -4,12 +4,14 @@ prompt tokens of the window's intervals that the simulation covered."""
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from exporter.model.advisor.types import PolicyPoint, TierEvidence, WhatIfPoint, WhatIfState
 from exporter.model.derive.engines import EngineDerived
-from exporter.model.whatif.engine import POLICY_COMBOS, EngineSnapshot, SimConfig
+from exporter.model.derive.fits import PrefillFit, prefill_fit
+from exporter.model.whatif.engine import FLOORS, POLICY_COMBOS, EngineSnapshot, SimConfig
 from exporter.model.whatif.plan import engine_policy, policy_size, ttft_cost_per_token
 from exporter.model.whatif.simulator import (
     REUSE_GAP_BLOCK_EDGES,
@@ -33,6 +35,8 @@ class WhatIfView:
     # loaded from a CPU tier): every one of them crosses the link once with offload on.
     computed_tokens: float | None = None
     recomputing_requests: float = 0.0  # requests that recomputed an evicted block
+    t0: float = 0.0  # the span of the intervals joined: seconds = t1 - t0
+    t1: float = 0.0
 
     def loads(self, hits: float) -> float:
         """Loads from a CPU tier serving `hits` tokens: every request that recomputed an
@@ -115,7 +119,115 @@ def window_view(
         recomputed,
         computed,
         recomputing,
+        t0,
+        t1,
     )
+
+
+# Choosing a floor takes more intervals than one fit does.
+FLOOR_MIN_INTERVALS = 12
+
+
+@dataclass(frozen=True, slots=True)
+class FloorFit:
+    """Summed TTFT = overhead x requests + seconds_per_token x sum(max(N, floor_tokens)) over
+    the prefills of each scrape interval (N: the tokens a prefill computed)."""
+
+    floor_tokens: int
+    fit: PrefillFit
+
+    def share_above(
+        self, prefills: Sequence[tuple[float, int, int, tuple[float, ...]]], t0: float, t1: float
+    ) -> float:
+        """Of the tokens recomputed after an eviction by the prefills stamped in [t0, t1), the
+        share a load would have saved computing: what lies above the floor."""
+        f = self.floor_tokens
+        back = saved = 0
+        for ts, n, r, _ in prefills:
+            if r and t0 <= ts < t1:
+                back += r
+                saved += max(n, f) - max(n - r, f)
+        return saved / back if back else 1.0
+
+
+def _ols(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    """y on (requests, tokens), no intercept: (per request, per token, residual sum of
+    squares); None when the two columns are collinear."""
+    snn = snt = stt = sny = sty = syy = 0.0
+    for n, t, y in points:
+        snn += n * n
+        snt += n * t
+        stt += t * t
+        sny += n * y
+        sty += t * y
+        syy += y * y
+    det = snn * stt - snt * snt
+    if snn <= 0 or stt <= 0 or det <= 1e-9 * snn * stt:
+        return None
+    a = (sny * stt - sty * snt) / det
+    b = (sty * snn - sny * snt) / det
+    return a, b, max(0.0, syy - a * sny - b * sty)
+
+
+def _floor_points(
+    es: EngineSnapshot, window: TargetWindow, key: EngineKey
+) -> list[list[tuple[float, float, float]]]:
+    """Per FLOORS entry: (requests, sum of max(N, floor) over the interval's prefills, summed
+    TTFT) per interval with requests that the kept prefills cover."""
+    pre = es.prefills
+    out: list[list[tuple[float, float, float]]] = [[] for _ in FLOORS]
+    if not pre or es.sim_start is None:
+        return out
+    first = max(es.sim_start, pre[0][0])
+    times = [p[0] for p in pre]
+    before = tuple(c - max(pre[0][1], f) for c, f in zip(pre[0][3], FLOORS, strict=True))
+    for iv in window.intervals():
+        d = iv.deltas.get(key)
+        if iv.t0 < first or not d or d.get("ttft_requests", 0.0) <= 0 or "ttft_seconds" not in d:
+            continue
+        i, j = bisect_left(times, iv.t0), bisect_left(times, iv.t1)
+        hi = pre[j - 1][3] if j > 0 else before
+        lo = pre[i - 1][3] if i > 0 else before
+        for k, col in enumerate(out):
+            col.append((d["ttft_requests"], hi[k] - lo[k], d["ttft_seconds"]))
+    return out
+
+
+def _best_floor(points: list[list[tuple[float, float, float]]]) -> int | None:
+    """Index of the floor that beats the linear model (points[0]) by more than choosing among
+    the candidates explains, with costs that make sense; None: no floor."""
+    linear = _ols(points[0])
+    best: tuple[float, int] | None = None
+    for k in range(1, len(points)):
+        got = _ols(points[k])
+        if got is not None and got[0] >= 0 and got[1] > 0 and (best is None or got[2] < best[0]):
+            best = (got[2], k)
+    if linear is None or best is None or best[0] >= linear[2]:
+        return None
+    gain = len(points[0]) * math.log(linear[2] / best[0]) if best[0] > 0 else math.inf
+    return best[1] if gain > 2 * math.log(len(FLOORS) - 1) else None
+
+
+def floor_fit(es: EngineSnapshot | None, window: TargetWindow, key: EngineKey) -> FloorFit | None:
+    """Offload off: the TTFT floor the window's intervals fit better than no floor, or None.
+
+    Each prefill joins the scrape interval its event time falls in (the KV-event and scrape
+    clocks agree: 98 % of computed tokens on the H200 matrix). A floor is taken only where it
+    beats the linear model by more than choosing among the candidates explains (the
+    likelihood ratio of Gaussian residuals, n ln(SSR_linear / SSR_floor), above 2 ln of the
+    number of candidates), with a non-negative cost per request and a significant cost per
+    token above it. 8B multi-turn chat on the H200: 1024 tokens, 28 us above (linear 21.5 us);
+    every other recorded family: no floor (docs/whatif.md)."""
+    if es is None or es.sim_start is None or not es.prefills:
+        return None
+    points = _floor_points(es, window, key)
+    if len(points[0]) < FLOOR_MIN_INTERVALS:
+        return None
+    k = _best_floor(points)
+    fit = prefill_fit([tuple(p) for p in points[k]], FLOOR_MIN_INTERVALS) if k else None
+    if k is None or fit is None or not fit.significant:
+        return None
+    return FloorFit(FLOORS[k], fit)
 
 
 def policy_points(
@@ -164,6 +276,13 @@ def whatif_state(
     cost = ttft_cost_per_token(d)
     computed = view.computed_tokens
     bal, fit = d.balance, d.offload_fit
+    # Offload off with a TTFT floor: a hit saves computing only down to the floor, priced at
+    # the floor fit's cost per token above it.
+    floor = floor_fit(es, window, d.key) if not d.offload_enabled else None
+    share = 1.0
+    if floor is not None and es is not None:
+        share = floor.share_above(es.prefills, view.t0, view.t1)
+        cost = floor.fit.seconds_per_token
 
     def saved(hits: float) -> float | None:
         if bal is not None and fit is not None and computed is not None:
@@ -180,6 +299,7 @@ def whatif_state(
             computed / view.seconds if computed is not None else None,
             view.loads(hits) / view.seconds,
             d.load_wait_seconds,
+            hits * share / view.seconds,
         )
 
     points = tuple(

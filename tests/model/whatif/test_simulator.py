@@ -426,6 +426,7 @@ def test_builder_counts_a_recomputing_request_once_however_it_is_chunked() -> No
     b.process(msg(5, [stored([1, 2], None)]).batch, 5)
     b.process(msg(6, [stored([3, 4], 2)]).batch, 6)
     assert b.stats.recomputed_blocks == 3 and b.stats.recomputing_requests == 1
+    assert b.prefills == [(32, 16)]  # the last call's prefill: 2 blocks, 1 of them back
     b.process(msg(20, [removed([1, 2, 3, 4])]).batch, 20)
     b.process(msg(30, [stored([1, 2, 3, 4], None)]).batch, 30)
     assert b.stats.recomputing_requests == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 
 import pytest
 
@@ -15,6 +16,7 @@ from exporter.model.derive.balance import offload_balance
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
 from exporter.model.derive.fits import OffloadFit, PrefillFit
 from exporter.model.whatif.engine import (
+    FLOORS,
     POLICY_COMBOS,
     Bucket,
     EngineSnapshot,
@@ -28,6 +30,7 @@ from exporter.model.whatif.simulator import ttft_saved_seconds_per_second
 from exporter.model.whatif.view import (
     WhatIfView,
     engine_rank,
+    floor_fit,
     policy_points,
     prompt_span,
     whatif_state,
@@ -96,7 +99,7 @@ def test_prompt_span_starts_at_the_simulation() -> None:
 
 def test_window_view_sums_the_covered_buckets_of_the_current_curve() -> None:
     assert window_view(snapshot(), WINDOW, EK) == WhatIfView(
-        2000.0, 10.0, (300.0, 500.0), None, 160.0
+        2000.0, 10.0, (300.0, 500.0), None, 160.0, t0=10.0, t1=20.0
     )
     conf = window_view(snapshot(configured_blocks=4), WINDOW, EK)
     assert conf is not None and conf.configured_hits == 75.0
@@ -389,3 +392,81 @@ def test_tier_evidence_puts_bytes_on_the_engine_counts() -> None:
     assert unknown is not None and unknown.wasted_bytes is None
     assert unknown.reuse_gap_bytes_half is None and unknown.wasted_share == 0.75
     assert tier_evidence(None, d) is None
+
+
+def _hinge_window(floor: int, per_token: float) -> tuple[TargetWindow, EngineSnapshot]:
+    """40 one-second intervals of three prefills each (200-3000 computed tokens, a third of
+    them back after an eviction), each request's TTFT 20 ms + per_token x max(N, floor)."""
+
+    rng = random.Random(7)
+    w = TargetWindow(3600.0)
+    prefills: list[tuple[float, int, int, tuple[float, ...]]] = []
+    sums = (0.0,) * len(FLOORS)
+    requests = ttft = 0.0
+    w.add(TargetSample(ts=0.0, engines={EK: EngineSample(counters=_ttft(0, 0), gauges={})}))
+    for i in range(40):
+        for j in range(3):
+            n = rng.randrange(200, 3000)
+            sums = tuple(c + max(n, f) for c, f in zip(sums, FLOORS, strict=True))
+            prefills.append((i + 0.1 + 0.3 * j, n, n // 3, sums))
+            requests += 1
+            ttft += 0.02 + per_token * max(n, floor) + rng.gauss(0.0, 0.0005)
+        sample = EngineSample(counters=_ttft(requests, ttft), gauges={})
+        w.add(TargetSample(ts=i + 1.0, engines={EK: sample}))
+    return w, snapshot(sim_start=0.0, prefills=tuple(prefills))
+
+
+def _ttft(requests: float, seconds: float) -> dict[str, float]:
+    return {"prompt_tokens": 1000.0 * requests, "ttft_requests": requests, "ttft_seconds": seconds}
+
+
+def test_floor_fit_finds_the_floor_a_short_prefill_costs() -> None:
+    """Requests whose TTFT stops falling below 1024 computed tokens: the fit says so, and a
+    load that leaves a short suffix is priced only down to the floor."""
+    w, snap = _hinge_window(1024, 25e-6)
+    floor = floor_fit(snap, w, EK)
+    assert floor is not None and floor.floor_tokens == 1024
+    assert floor.fit.seconds_per_token == pytest.approx(25e-6, rel=0.05)
+    share = floor.share_above(snap.prefills, 0.0, 40.0)
+    expected = sum(max(n, 1024) - max(n - r, 1024) for _, n, r, _ in snap.prefills) / sum(
+        r for _, _, r, _ in snap.prefills
+    )
+    assert share == pytest.approx(expected) and 0.2 < share < 0.9
+
+
+def test_floor_fit_keeps_the_linear_model_without_a_floor() -> None:
+    w, snap = _hinge_window(0, 25e-6)
+    assert floor_fit(snap, w, EK) is None
+    assert floor_fit(snapshot(sim_start=0.0), w, EK) is None  # no prefills recorded
+
+
+def test_the_whatif_prices_hits_down_to_the_floor() -> None:
+    w, snap = _hinge_window(1024, 25e-6)
+    snap = dataclasses.replace(snap, buckets=(Bucket(10.0, 100.0, 0.0, 0.0, (25.0, 100.0), 4.0),))
+    floor = floor_fit(snap, w, EK)
+    assert floor is not None
+    d = derived()
+    state = whatif_state(snap, w, d, (1000, 2000))
+    view = window_view(snap, w, EK)
+    assert state is not None and view is not None
+    share = floor.share_above(snap.prefills, view.t0, view.t1)
+    for point, hits in zip(state.points, view.hits, strict=True):
+        assert point.ttft_saved_seconds_per_second == pytest.approx(
+            ttft_saved_seconds_per_second(
+                hits / view.seconds,
+                floor.fit.seconds_per_token,
+                d.transfer_tokens_per_second,
+                None,
+                view.loads(hits) / view.seconds,
+                d.load_wait_seconds,
+                hits * share / view.seconds,
+            )
+        )
+    # The same traffic without a floor: every hit priced in full, at the engine's own cost.
+    w0, snap0 = _hinge_window(0, 25e-6)
+    snap0 = dataclasses.replace(snap0, buckets=snap.buckets)
+    plain = whatif_state(snap0, w0, d, (1000, 2000))
+    assert plain is not None
+    assert plain.points[1].ttft_saved_seconds_per_second == pytest.approx(
+        ttft_saved_seconds_per_second(100.0 / view.seconds, 1 / 23_000.0, 110_000.0, None, 0.4, 0.0)
+    )
