@@ -14,6 +14,7 @@ from bench.whatif_vs_observed import open_text, read_text
 from exporter import expfmt
 from exporter.kvevents_codec import Message, decode_payload, read_records
 from exporter.lmcache import lmcache_samples
+from exporter.model.derive.balance import KEYS as BALANCE_KEYS
 from exporter.model.derive.engines import DeriveSettings, EngineDerived, derive_engine
 from exporter.sources.kv_events.source import StreamItem
 from exporter.vllm_cmdline import LaunchConfig
@@ -139,3 +140,9 @@ def items_until(msgs: list[Message], fed: int, t: float) -> tuple[list[StreamIte
         items.append(StreamItem(0, Message(m.topic, m.seq, batch, None)))
         fed += 1
     return items, fed
+
+
+def balance_sums(loaded: float, computed: float, store: float, ttft: float) -> dict[str, float]:
+    """The window sums offload_balance reads: tokens loaded and computed, store copy seconds,
+    summed TTFT (exporter/model/derive/balance.py KEYS, in that order)."""
+    return dict(zip(BALANCE_KEYS, (loaded, computed, store, ttft), strict=True))

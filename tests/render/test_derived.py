@@ -10,6 +10,7 @@ from exporter.model.derive.balance import offload_balance
 from exporter.model.derive.fits import OffloadFit, PrefillFit
 from exporter.render.derived import _DERIVED_COUNTERS, _DERIVED_GAUGES, derived_families
 from exporter.vllm_metrics import EngineKey
+from tests.helpers import balance_sums
 from tests.model.advisor.common import base
 from tests.render.common import by_name, series
 
@@ -83,13 +84,7 @@ def test_known_values_each_in_its_family_with_the_engine_labels() -> None:
 
 def test_ttft_saved_is_the_balance_per_covered_second() -> None:
     fit = OffloadFit(0.0, 40e-6, 10e-6, 60, 0.99, 1e-6, 1e-6, 1e-6)
-    sums = {
-        "prompt_by_source:external_kv_transfer": 3000.0,
-        "prompt_by_source:local_compute": 1000.0,
-        "store_seconds": 0.01,
-        "ttft_seconds": 5.0,
-    }
-    bal = offload_balance(fit, sums)
+    bal = offload_balance(fit, balance_sums(loaded=3000.0, computed=1000.0, store=0.01, ttft=5.0))
     assert bal is not None
     d = base(offload_enabled=True, offload_fit=fit, balance=bal)
     name = "kvoffload_offload_ttft_saved_seconds_per_second"

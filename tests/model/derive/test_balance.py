@@ -6,15 +6,11 @@ import pytest
 
 from exporter.model.derive.balance import OffloadBalance, offload_balance
 from exporter.model.derive.fits import OffloadFit
+from tests.helpers import balance_sums
 
 # 40 us a computed token, 10 us a loaded one (saving 30 +- 2 us), valid.
 FIT = OffloadFit(0.005, 40e-6, 10e-6, 100, 0.9, 2e-6, 1e-6, 1e-6)
-SUMS = {
-    "prompt_by_source:external_kv_transfer": 100_000.0,
-    "prompt_by_source:local_compute": 400_000.0,
-    "store_seconds": 1.0,
-    "ttft_seconds": 20.0,
-}
+SUMS = balance_sums(loaded=100_000.0, computed=400_000.0, store=1.0, ttft=20.0)
 
 
 def test_saving_minus_the_stores_of_every_loaded_and_computed_token() -> None:

@@ -48,6 +48,7 @@ from tests.helpers import (
     E0,
     GIB,
     KV_BYTES_PER_TOKEN,
+    balance_sums,
     gpu_events,
     gpu_metrics,
     gpu_scrapes,
@@ -182,13 +183,7 @@ def test_whatif_saving_with_offload_on_is_priced_as_the_balance() -> None:
         }
         w.add(TargetSample(ts=ts, engines={EK: EngineSample(counters=counters, gauges={})}))
     fit = OffloadFit(0.0, 40e-6, 10e-6, 60, 0.9, 1e-6, 1e-6, 1e-6)
-    sums = {
-        "prompt_by_source:external_kv_transfer": 200.0,
-        "prompt_by_source:local_compute": 1000.0,
-        "store_seconds": 0.012,
-        "ttft_seconds": 4.0,
-    }
-    bal = offload_balance(fit, sums)
+    bal = offload_balance(fit, balance_sums(loaded=200.0, computed=1000.0, store=0.012, ttft=4.0))
     d = derived(offload_enabled=True, offload_fit=fit, balance=bal)
     state = whatif_state(snapshot(), w, d, (1000, 2000))
     assert state is not None and bal is not None
