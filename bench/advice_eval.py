@@ -123,19 +123,24 @@ def _pairs(
 ) -> dict[float, tuple[Path, Path]]:
     """By offload size, (run without offload, offload run) of the run's pair family, each
     offload run with the run without offload it is compared with (matrixkit.base_run); for a
-    run without offload only the pairs it is the base of."""
+    run without offload the pairs it is the base of, and at sizes where it is the base of
+    none, the offload runs of its own machine (a replicate: the same sequence on the same
+    GPU as the run they are based on)."""
     by_name = {r.name: r for r in runs}
     same = [r for r in runs if metas[r.name].get("pair") == metas[run.name].get("pair")]
+    without = _offload_bytes(metas[run.name]) is None
     out: dict[float, tuple[Path, Path]] = {}
+    also: dict[float, tuple[Path, Path]] = {}
     for on in same:
         size = _offload_bytes(metas[on.name])
         base = matrixkit.base_run(metas, on.name) if size is not None else None
         if size is None or base is None:
             continue
-        if _offload_bytes(metas[run.name]) is None and base != run.name:
-            continue
-        out[size] = (by_name[base], on)
-    return out
+        if not without or base == run.name:
+            out[size] = (by_name[base], on)
+        elif matrixkit.same_machine(metas[run.name], metas[on.name]):
+            also[size] = (run, on)
+    return {**also, **out}
 
 
 def evaluate(root: Path = MATRIX) -> list[RunEval]:

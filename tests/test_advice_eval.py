@@ -54,15 +54,10 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
             assert e.agrees, (e.run, e.action, e.truth)
 
 
-@unmet_goal(
-    "goal not met since session 3 (docs/gpu-acceptance.md): 8B chat with 16 and 27 GiB "
-    "settle on insufficient_data, nearly every request loads so the TTFT fit cannot separate "
-    "loaded from computed tokens; 13 of 16 agree",
-)
 def test_the_agreement_goal_of_the_issue(evals) -> None:  # type: ignore[no-untyped-def]
     """Settled advice agrees with the measured truth in 90 % of verified runs (issue 16)."""
     s = summary(evals)
-    assert s["verified"] >= 10
+    assert s["verified"] >= 20
     assert s["agreement"] >= s["goals"]["agreement"]
 
 
@@ -80,9 +75,9 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
 
 
 @unmet_goal(
-    "8B chat at 16 GiB: predicted +0.018 s/s, measured -0.015 (docs/gpu-acceptance.md: "
-    "the floor fit's cost above the floor exceeds the per-request one; the run is the slower "
-    "of two runs of the same work)",
+    "two of 15 miss (docs/gpu-acceptance.md): 8B chat at 16 GiB, predicted +0.019 s/s, "
+    "measured -0.015 (the slower of two runs of the same work); 8B unique at 9 GiB, predicted "
+    "-0.017, measured -0.041 (a store cost the request it delays ~2x its copy time there)",
 )
 def test_every_saving_predicted_before_enabling_matches_what_enabling_measured(evals) -> None:  # type: ignore[no-untyped-def]
     s = summary(evals)
@@ -113,6 +108,32 @@ def test_a_control_run_without_offload_pairs_with_the_offload_runs_of_its_sessio
     evals = {e.run: e for e in evaluate(tmp_path)}
     assert {p.size_bytes for p in evals["qwen3-8b-rag-zipf-none"].predictions} == {9 * GIB}
     assert {p.size_bytes for p in evals["qwen3-8b-rag-zipf-none-ctl"].predictions} == {27 * GIB}
+
+
+def test_a_replicate_without_offload_pairs_with_the_offload_runs_of_its_machine(
+    tmp_path: Path,
+) -> None:
+    """A run without offload recorded again on the same machine (a replicate) is the base of
+    no offload run nearer in time to the first, yet did the same work: its advice is judged
+    against the offload runs of its machine. A copy on another day is not."""
+    for name in ("qwen3-8b-rag-zipf-none", "qwen3-8b-rag-zipf-cpu64k"):
+        shutil.copytree(MATRIX / name, tmp_path / name)
+
+    def copy(name: str, shift: float) -> None:
+        shutil.copytree(MATRIX / "qwen3-8b-rag-zipf-none", tmp_path / name)
+        meta = json.loads((tmp_path / name / "meta.json").read_text())
+        meta["traffic"]["t_traffic_start"] += shift
+        (tmp_path / name / "meta.json").write_text(json.dumps(meta))
+
+    copy("qwen3-8b-rag-zipf-none-rep", 900.0)  # the same session, after the offload run
+    copy("qwen3-8b-rag-zipf-none-ctl", 86_400.0)  # a day later
+    metas = {p.name: json.loads((p / "meta.json").read_text()) for p in tmp_path.iterdir()}
+    assert matrixkit.base_run(metas, "qwen3-8b-rag-zipf-cpu64k") == "qwen3-8b-rag-zipf-none"
+    evals = {e.run: e for e in evaluate(tmp_path)}
+    first, rep = evals["qwen3-8b-rag-zipf-none"], evals["qwen3-8b-rag-zipf-none-rep"]
+    assert {p.size_bytes for p in rep.predictions} == {9 * GIB}
+    assert rep.verified and rep.truth == first.truth
+    assert evals["qwen3-8b-rag-zipf-none-ctl"].predictions == ()
 
 
 def test_judging_follows_the_definition() -> None:

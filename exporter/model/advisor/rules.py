@@ -490,6 +490,19 @@ def _threshold_keeps_hits(
     return ev, base, with_threshold
 
 
+def _upper_saving_share(inp: AdvisorInput) -> float | None:
+    """The largest share of the window's TTFT any simulated size would save with a computed
+    token at the upper end of its cost's interval; None where a point lacks that bound."""
+    ttft = inp.derived.window.get("ttft_seconds")
+    whatif = inp.whatif
+    if whatif is None or not whatif.points or not ttft or inp.covered_seconds <= 0:
+        return None
+    uppers = [p.ttft_saved_upper_seconds_per_second for p in whatif.points]
+    if any(u is None for u in uppers):
+        return None
+    return max(u for u in uppers if u is not None) * inp.covered_seconds / ttft
+
+
 def _reuse_gap_note(inp: AdvisorInput) -> str:
     """Where the returning blocks were: a size check on the recommendation."""
     ev = inp.evidence
@@ -609,6 +622,19 @@ def _evaluate_off(  # noqa: PLR0911  a decision list: rule order is the policy, 
         )
     lower = d.transfer_speedup_lower
     if lower is None or lower < th.transfer_speedup_min:
+        # Enabling waits for the cost's lower end to clear the margin; not enabling needs the
+        # mirror: the saving stays immaterial at every size even at the cost's upper end.
+        upper = _upper_saving_share(inp)
+        if upper is not None and upper < th.ttft_saving_material:
+            return advice(
+                Action.NO_ACTION,
+                Reason.PREDICTED_SAVING_IMMATERIAL,
+                f"Evicted prefixes are recomputed ({numbers_share}), but even were a computed "
+                "token to cost the upper end of its measured interval, no simulated CPU tier "
+                f"would save more than {pct(max(upper, 0.0))} of the TTFT now (it pays from "
+                f"{pct(th.ttft_saving_material)}) once the loads and the stores of every "
+                "computed block are counted: offload would not make TTFT materially better.",
+            )
         fit = d.prefill_fit
         spread = (
             f" (per-token recompute cost {fit.seconds_per_token * 1e6:.1f} +- "

@@ -178,9 +178,11 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
         ),
         Reason.PREDICTED_SAVING_IMMATERIAL: ReasonInfo(
             Action.NO_ACTION,
-            "offload off; the what-if's predicted TTFT saving at the size it would recommend, "
-            "loads and stores of every computed block counted, is below "
-            "`ttft_saving_material` of the window's TTFT",
+            "offload off; the what-if's predicted TTFT saving, loads and stores of every "
+            "computed block counted, is below `ttft_saving_material` of the window's TTFT at "
+            "the size it would recommend, or, while the recompute cost is too uncertain to "
+            "enable, at every simulated size even with that cost at the upper end of its "
+            "interval",
         ),
         Reason.BUFFER_TOO_SMALL: ReasonInfo(
             Action.GROW_BUFFER,
@@ -258,6 +260,9 @@ class WhatIfPoint:
     cpu_buffer_bytes: float
     hit_ratio: float  # hit tokens / all prompt tokens, comparable to the observed ratio
     ttft_saved_seconds_per_second: float | None = None
+    # Offload off: the saving were a computed token to cost the upper end of its measured
+    # ~95 % interval; what a "would not pay" must hold against.
+    ttft_saved_upper_seconds_per_second: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,11 +29,13 @@ class DeriveSettings:
     assumed_load_bandwidth: float | None = None  # bytes/s, for engines without offload
     link_bandwidth: float | None = None  # bytes/s, theoretical host link (from NVML)
     link_efficiency: float = 0.56  # achieved/theoretical for vLLM's block copies (H200: 31/55)
-    # What a load from a CPU tier costs a request beyond its copy: vLLM loads asynchronously
-    # and the request is scheduled at a step after the copy is seen done. On the H200 matrix
-    # (vLLM 0.26, docs/whatif.md) queue time per load minus copy time per load was 5.8 ms
-    # (0.6B) and 7.5-11.6 ms (8B) wherever requests did not queue for other reasons.
-    load_wait_seconds: float = 0.009
+    # What a load from a CPU tier costs a request beyond its copy, as a share of the engine's
+    # mean prefill time per request: vLLM loads asynchronously and schedules the request at a
+    # step after it sees the copy done, so the request waits out part of a step of other
+    # work, and steps are longer on larger models. On the H200 matrix (vLLM 0.26,
+    # docs/whatif.md) queue time minus copy time per load was 0.16-0.26 of the prefill time
+    # per request with offload on: 5.7 ms (0.6B), 7.4-10.7 ms (8B), 20-26 ms (32B).
+    load_wait_share: float = 0.2
     min_fit_points: int = 4
     launch: LaunchConfig | None = None  # the target's vLLM command line, when readable
 
@@ -69,7 +71,7 @@ class EngineDerived:
     backend: BackendDerived | None = None  # connector/spec/tiers and per-backend values
     balance: OffloadBalance | None = None  # offload on: the window's TTFT saved minus stores
     ttft_fit: PrefillFit | None = None  # offload off: summed TTFT on requests, computed tokens
-    load_wait_seconds: float = 0.0  # per load beyond its copy (DeriveSettings), for the what-if
+    load_wait_share: float = 0.0  # of a prefill, per load beyond its copy (DeriveSettings)
 
 
 def _ratio(sums: tuple[float, ...] | None) -> float | None:
@@ -321,7 +323,7 @@ def derive_engine(
         transfer_estimated=estimated,
         transfer_speedup=speedup,
         transfer_speedup_lower=speedup_lower,
-        load_wait_seconds=settings.load_wait_seconds,
+        load_wait_share=settings.load_wait_share,
         window=window,
         totals=dict(totals),
         backend=backend_derived(

@@ -51,6 +51,17 @@ def ttft_cost_per_token(d: EngineDerived) -> float | None:
     return 1.0 / rate
 
 
+def ttft_cost_stderr(d: EngineDerived) -> float | None:
+    """Standard error of ttft_cost_per_token where a fit with offload off gives it."""
+    if d.ttft_fit is not None and d.ttft_fit.stderr is not None:
+        return d.ttft_fit.stderr
+    if d.offload_fit is not None and d.offload_fit.valid:
+        return d.offload_fit.computed_stderr
+    if d.recompute_negligible or d.prefill_fit is None:
+        return None
+    return d.prefill_fit.stderr
+
+
 def sim_config(
     d: EngineDerived, settings: WhatIfSettings, recommended: float | None
 ) -> SimConfig | None:

@@ -12,7 +12,12 @@ from exporter.model.advisor.types import PolicyPoint, TierEvidence, WhatIfPoint,
 from exporter.model.derive.engines import EngineDerived
 from exporter.model.derive.fits import PrefillFit, prefill_fit
 from exporter.model.whatif.engine import FLOORS, POLICY_COMBOS, EngineSnapshot, SimConfig
-from exporter.model.whatif.plan import engine_policy, policy_size, ttft_cost_per_token
+from exporter.model.whatif.plan import (
+    engine_policy,
+    policy_size,
+    ttft_cost_per_token,
+    ttft_cost_stderr,
+)
 from exporter.model.whatif.simulator import (
     REUSE_GAP_BLOCK_EDGES,
     bucket_quantile,
@@ -37,6 +42,8 @@ class WhatIfView:
     recomputing_requests: float = 0.0  # requests that recomputed an evicted block
     t0: float = 0.0  # the span of the intervals joined: seconds = t1 - t0
     t1: float = 0.0
+    prefill_seconds: float = 0.0  # vLLM's prefill time and prefills over the same span
+    prefill_requests: float = 0.0
 
     def loads(self, hits: float) -> float:
         """Loads from a CPU tier serving `hits` tokens: every request that recomputed an
@@ -45,6 +52,15 @@ class WhatIfView:
         if self.recomputed_tokens <= 0:
             return 0.0
         return self.recomputing_requests * min(1.0, hits / self.recomputed_tokens)
+
+    def load_wait(self, share: float, saved_prefill_seconds: float) -> float:
+        """Seconds a load keeps its request waiting beyond the copy: `share` of the mean
+        prefill time per request with the tier on, which is shorter than now by the prefill
+        time its hits save (a load is seen done at the end of a step of other work)."""
+        if self.prefill_requests <= 0:
+            return 0.0
+        left = max(self.prefill_seconds - saved_prefill_seconds, 0.0)
+        return share * left / self.prefill_requests
 
 
 def engine_rank(key: EngineKey) -> int | None:
@@ -55,13 +71,22 @@ def engine_rank(key: EngineKey) -> int | None:
         return None
 
 
-def _span(
-    window: TargetWindow, key: EngineKey, start: float
-) -> tuple[float, float | None, float, float] | None:
-    """Prompt tokens, tokens computed or loaded from a CPU tier (None when vLLM does not
-    break prompt tokens down by source) and the time span of the intervals from `start` on."""
+@dataclass(frozen=True, slots=True)
+class _Span:
+    prompt: float
+    computed: float | None  # None when vLLM does not break prompt tokens down by source
+    t0: float
+    t1: float
+    prefill_seconds: float
+    prefill_requests: float
+
+
+def _span(window: TargetWindow, key: EngineKey, start: float) -> _Span | None:
+    """Prompt tokens, tokens computed or loaded from a CPU tier, vLLM's prefill time and
+    prefills, and the time span of the window's intervals from `start` on."""
     prompt = 0.0
     computed: float | None = None
+    prefill_seconds = prefill_requests = 0.0
     t0 = math.inf
     t1 = -math.inf
     for iv in window.intervals():
@@ -75,10 +100,12 @@ def _span(
         if local is not None:
             loaded = deltas.get("prompt_by_source:external_kv_transfer", 0.0)
             computed = (computed or 0.0) + local + loaded
+        prefill_seconds += deltas.get("prefill_seconds", 0.0)
+        prefill_requests += deltas.get("prefill_requests", 0.0)
         t0, t1 = min(t0, iv.t0), max(t1, iv.t1)
     if prompt <= 0 or t1 <= t0:
         return None
-    return prompt, computed, t0, t1
+    return _Span(prompt, computed, t0, t1, prefill_seconds, prefill_requests)
 
 
 def prompt_span(
@@ -86,7 +113,7 @@ def prompt_span(
 ) -> tuple[float, float, float] | None:
     """Prompt tokens and the time span of the window's intervals from `start` on."""
     span = _span(window, key, start)
-    return None if span is None else (span[0], span[2], span[3])
+    return None if span is None else (span.prompt, span.t0, span.t1)
 
 
 def window_view(
@@ -98,7 +125,7 @@ def window_view(
     span = _span(window, key, es.sim_start)
     if span is None:
         return None
-    prompt, computed, t0, t1 = span
+    t0, t1 = span.t0, span.t1
     k = len(es.capacities)
     hits = [0.0] * k
     conf = 0.0
@@ -112,15 +139,17 @@ def window_view(
             for i in range(k):
                 hits[i] += b.hits[i]
     return WhatIfView(
-        prompt,
+        span.prompt,
         t1 - t0,
         tuple(hits),
         conf if es.configured_blocks is not None else None,
         recomputed,
-        computed,
+        span.computed,
         recomputing,
         t0,
         t1,
+        span.prefill_seconds,
+        span.prefill_requests,
     )
 
 
@@ -280,11 +309,15 @@ def whatif_state(
     # the floor fit's cost per token above it.
     floor = floor_fit(es, window, d.key) if not d.offload_enabled else None
     share = 1.0
+    stderr = ttft_cost_stderr(d)
     if floor is not None and es is not None:
         share = floor.share_above(es.prefills, view.t0, view.t1)
-        cost = floor.fit.seconds_per_token
+        cost, stderr = floor.fit.seconds_per_token, floor.fit.stderr
+    # The hits shorten the prefills a load waits on by the prefill time they save.
+    pf = d.prefill_fit
+    per_token = pf.seconds_per_token if pf is not None and pf.seconds_per_token > 0 else cost
 
-    def saved(hits: float) -> float | None:
+    def saved(hits: float, cost: float | None) -> float | None:
         if bal is not None and fit is not None and computed is not None:
             # Offload on: price each hit at the measured saving per loaded token and every
             # token computed without offload at the measured store cost, as the balance does
@@ -292,18 +325,29 @@ def whatif_state(
             per_store = bal.store_seconds / (bal.loaded_tokens + bal.computed_tokens)
             net = hits * fit.saving_seconds_per_token - computed * per_store
             return net / view.seconds
+        priced = hits * share
         return ttft_saved_seconds_per_second(
             hits / view.seconds,
             cost,
             d.transfer_tokens_per_second,
             computed / view.seconds if computed is not None else None,
             view.loads(hits) / view.seconds,
-            d.load_wait_seconds,
-            hits * share / view.seconds,
+            view.load_wait(d.load_wait_share, priced * (per_token or 0.0)),
+            priced / view.seconds,
         )
 
+    upper_cost = (
+        cost + 2 * stderr
+        if cost is not None and stderr is not None and not d.offload_enabled
+        else None
+    )
     points = tuple(
-        WhatIfPoint(float(size), min(1.0, hits / view.prompt_tokens), saved(hits))
+        WhatIfPoint(
+            float(size),
+            min(1.0, hits / view.prompt_tokens),
+            saved(hits, cost),
+            saved(hits, upper_cost) if upper_cost is not None else None,
+        )
         for size, hits in zip(sizes_bytes, view.hits, strict=True)
     )
     conf = (

@@ -484,3 +484,22 @@ def test_a_measured_gain_below_the_margin_is_uncertain_not_unmeasured() -> None:
     noisy = replace(small, saving_stderr=3e-6)
     b = evaluate(inp(base(**{**ON, "offload_fit": noisy})))
     assert b.reason == "reload_benefit_unmeasured"
+
+
+def test_an_uncertain_speedup_still_says_no_when_even_the_costliest_recompute_saves_too_little():
+    """Offload off, the speedup's lower end below the margin: enabling must wait. But where
+    every simulated size saves an immaterial share of the TTFT even with a computed token at
+    the upper end of its interval, more traffic cannot turn it into "enable": no_action now.
+    A point without that bound, or one bound that would pay, keeps it uncertain."""
+    d = base(transfer_speedup_lower=1.0, window={"prompt_tokens": 4e5, "ttft_seconds": 60.0})
+    # 60 s of TTFT over 300 s: the 3 % that pays is 0.006 s/s.
+    curve = (WhatIfPoint(GIB, 0.2, -0.004, 0.002), WhatIfPoint(4 * GIB, 0.3, -0.002, 0.005))
+    a = evaluate(inp(d, whatif=WhatIfState(curve, recomputed_after_eviction_tokens=7e4)))
+    assert (a.action, a.reason) == (Action.NO_ACTION, "predicted_saving_immaterial")
+    assert "upper end of its measured interval" in a.explanation and "2.5%" in a.explanation
+    pays = (curve[0], WhatIfPoint(4 * GIB, 0.3, -0.002, 0.008))
+    b = evaluate(inp(d, whatif=WhatIfState(pays, recomputed_after_eviction_tokens=7e4)))
+    assert (b.action, b.reason) == (Action.INSUFFICIENT_DATA, "speedup_uncertain")
+    unbounded = (curve[0], WhatIfPoint(4 * GIB, 0.3, -0.002))
+    c = evaluate(inp(d, whatif=WhatIfState(unbounded, recomputed_after_eviction_tokens=7e4)))
+    assert c.reason == "speedup_uncertain"

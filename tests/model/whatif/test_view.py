@@ -118,16 +118,35 @@ def test_loads_scale_with_the_share_of_recomputed_prefixes_served() -> None:
     assert [view.loads(h) for h in view.hits] == [1.0, 4.0]
     assert view.loads(500.0) == 4.0  # never more loads than requests that recomputed
     assert WhatIfView(1.0, 1.0, (0.0,), None, 0.0).loads(10.0) == 0.0
-    # The what-if charges each load its wait beyond the copy (10 ms): 4 loads over 10 s.
+    # Each load waits a share of the mean prefill with the tier on: here 0.1 of 2 s over 20
+    # prefills in the covered intervals, less the prefill time the hits save at the engine's
+    # 1/23000 s per token; 1 and 4 loads over 10 s.
+    w = TargetWindow(3600.0)
+    for ts, prompt, pre_s, pre_n in (
+        (0.0, 0.0, 0.0, 0.0),
+        (10.0, 1e3, 1.0, 9.0),
+        (20.0, 3e3, 3.0, 29.0),
+    ):
+        counters = {"prompt_tokens": prompt, "prefill_seconds": pre_s, "prefill_requests": pre_n}
+        w.add(TargetSample(ts=ts, engines={EK: EngineSample(counters=counters, gauges={})}))
     snap = snapshot(buckets=buckets)
-    free = whatif_state(snap, WINDOW, derived(), (1000, 2000))
-    waited = whatif_state(snap, WINDOW, derived(load_wait_seconds=0.01), (1000, 2000))
+    free = whatif_state(snap, w, derived(), (1000, 2000))
+    waited = whatif_state(snap, w, derived(load_wait_share=0.1), (1000, 2000))
     assert free is not None and waited is not None
     saved = [
         (a.ttft_saved_seconds_per_second or 0.0) - (b.ttft_saved_seconds_per_second or 0.0)
         for a, b in zip(free.points, waited.points, strict=True)
     ]
-    assert saved == pytest.approx([0.001, 0.004])
+    wait = [0.1 * (2.0 - h / 23_000) / 20 for h in (25.0, 100.0)]
+    assert saved == pytest.approx([1 * wait[0] / 10, 4 * wait[1] / 10])
+    assert WhatIfView(1.0, 1.0, (0.0,), None, 0.0).load_wait(0.2, 0.0) == 0.0  # no prefills
+    # A saving larger than the prefill time leaves no step to wait on.
+    assert (
+        WhatIfView(
+            1.0, 1.0, (0.0,), None, 0.0, prefill_seconds=1.0, prefill_requests=2.0
+        ).load_wait(0.2, 5.0)
+        == 0.0
+    )
 
 
 def test_whatif_state_points_per_size() -> None:
@@ -453,7 +472,7 @@ def test_the_whatif_prices_hits_down_to_the_floor() -> None:
                 d.transfer_tokens_per_second,
                 None,
                 view.loads(hits) / view.seconds,
-                d.load_wait_seconds,
+                view.load_wait(d.load_wait_share, hits * share * floor.fit.seconds_per_token),
                 hits * share / view.seconds,
             )
         )
@@ -465,3 +484,22 @@ def test_the_whatif_prices_hits_down_to_the_floor() -> None:
     assert plain.points[1].ttft_saved_seconds_per_second == pytest.approx(
         ttft_saved_seconds_per_second(100.0 / view.seconds, 1 / 23_000.0, 110_000.0, None, 0.4, 0.0)
     )
+
+
+def test_offload_off_points_carry_the_saving_at_the_upper_end_of_the_cost() -> None:
+    """With offload off each point also states its saving were a computed token to cost the
+    TTFT fit's slope plus two standard errors: the hits times that difference, per second.
+    Without a standard error there is no bound, and with offload on none is needed."""
+    snap = snapshot()
+    fit = PrefillFit(0.01, 40e-6, 20, 0.9, stderr=5e-6)
+    state = whatif_state(snap, WINDOW, derived(ttft_fit=fit), (1000, 2000))
+    view = window_view(snap, WINDOW, EK)
+    assert state is not None and view is not None
+    for point, hits in zip(state.points, view.hits, strict=True):
+        assert point.ttft_saved_seconds_per_second is not None
+        assert point.ttft_saved_upper_seconds_per_second == pytest.approx(
+            point.ttft_saved_seconds_per_second + hits / view.seconds * 2 * 5e-6
+        )
+    plain = whatif_state(snap, WINDOW, derived(), (1000, 2000))
+    assert plain is not None
+    assert all(p.ttft_saved_upper_seconds_per_second is None for p in plain.points)
