@@ -15,7 +15,9 @@ summed TTFT by at least 3 %, costs when it adds 3 % or more, neutral in between)
   its run without offload (the family: the same shape, workload and vLLM flags).
 - Agreement: enable/keep/grow/shrink/raise_store_threshold agree where offload pays (or is
   neutral), no_action/disable where it costs (or is neutral); insufficient_data agrees with
-  nothing. Harmful: enable or keep where it costs, disable where it pays.
+  nothing. Harmful: enable or keep where it costs, disable where it pays, for the settled
+  advice at the end and at any time before it (an operator acts on what the exporter says
+  when it says it).
 - Prediction: for a run without offload, the advisor's predicted TTFT saving at every size
   its family measured (the what-if, `ttft_saved_seconds_per_second`) against the saving
   measured when that size was enabled on the same sequence; within 25 % or 0.02 s/s,
@@ -79,6 +81,9 @@ class RunEval:
     threshold: float = matrixkit.TRUTH_THRESHOLD  # the change the truth needed (noise band)
     truth_3pct: str = "unknown"  # the truth at a flat 3 %, the machine's noise ignored
     harmful_3pct: bool = False
+    # When a settled advice was harmful at the size it spoke about, the final one included
+    # (seconds since the recording's first scrape).
+    harmful_at_s: tuple[float, ...] = ()
 
 
 def _requests(run: Path) -> list[dict[str, Any]]:
@@ -116,6 +121,23 @@ def _judge(action: str, truth: str, verified: bool) -> tuple[bool, bool]:
         action == "disable_offload" and truth == "pays"
     )
     return agrees, harmful
+
+
+def _about(
+    own: float | None, action: str, rec: float | None, measured_at: dict[float, dict[str, Any]]
+) -> float | None:
+    """The size the advice speaks about: keep/disable the run's own, enable/grow/shrink the
+    recommended one (verified only where a run of that size exists). "Leave it off" speaks
+    about every size: judged on the best one measured."""
+    if own is not None:
+        return rec if action in ("grow_buffer", "shrink_buffer") else own
+    if action == "enable_offload":
+        return rec
+    return max(
+        measured_at,
+        key=lambda b: measured_at[b].get("ttft_saved_s_per_s") or 0.0,
+        default=None,
+    )
 
 
 def _pairs(
@@ -171,24 +193,22 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
         action, rec = str(a.action), a.recommended_buffer_bytes
         first = next(iter(r.first_decision.values()), None)
         measured_at = {size: truth(base, on) for size, (base, on) in pairs.items()}
-        # The size the advice speaks about: keep/disable the run's own, enable/grow/shrink
-        # the recommended one (verified only where a run of that size exists). "Leave it
-        # off" speaks about every size: judged on the best one measured.
-        if own is not None:
-            about = rec if action in ("grow_buffer", "shrink_buffer") else own
-        elif action == "enable_offload":
-            about = rec
-        else:
-            about = max(
-                measured_at,
-                key=lambda b: measured_at[b].get("ttft_saved_s_per_s") or 0.0,
-                default=None,
-            )
+        about = _about(own, action, rec, measured_at)
         t = measured_at.get(about) if about is not None else None
         verdict = str(t["verdict"]) if t is not None else "unknown"
         verdict_3pct = str(t["verdict_3pct"]) if t is not None else "unknown"
         measured = t.get("ttft_saved_s_per_s") if t is not None else None
         agrees, harmful = _judge(action, verdict, t is not None)
+        # An operator acts on any settled advice, not only on the last one: a harmful
+        # action settled for a few cycles mid-run counts as harmful too.
+        harmful_at: list[float] = []
+        for step in r.timeline:
+            if step.action == "insufficient_data" or step.pending_action is not None:
+                continue
+            size = _about(own, step.action, step.recommended_buffer_bytes, measured_at)
+            then = measured_at.get(size) if size is not None else None
+            if then is not None and _judge(step.action, str(then["verdict"]), True)[1]:
+                harmful_at.append(step.t)
         predictions: list[Prediction] = []
         if own is None and measured_at:
             at = replay_one(run, Config(whatif_sizes=tuple(int(b) for b in sorted(measured_at))))
@@ -232,6 +252,7 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                 float(t["threshold"]) if t is not None else matrixkit.TRUTH_THRESHOLD,
                 verdict_3pct,
                 _judge(action, verdict_3pct, t is not None)[1],
+                tuple(harmful_at),
             )
         )
     return out
@@ -250,7 +271,7 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         "runs": len(evals),
         "verified": len(labelled),
         "agreement": sum(e.agrees for e in labelled) / len(labelled) if labelled else None,
-        "harmful": [e.run for e in evals if e.harmful],
+        "harmful": [e.run for e in evals if e.harmful or e.harmful_at_s],
         "harmful_3pct": [e.run for e in evals if e.harmful_3pct],
         "decided": len(in_time) / len(evals) if evals else None,
         "predictions": len(predictions),
@@ -279,6 +300,8 @@ def markdown(evals: Sequence[RunEval]) -> str:
         verdict = (
             "harmful"
             if e.harmful
+            else f"harmful at {e.harmful_at_s[0]:.0f} s"
+            if e.harmful_at_s
             else "agrees"
             if e.agrees
             else "unverified"

@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.advice_eval import MATRIX, _judge, _requests, evaluate, matrixkit, summary
+from bench.advice_eval import (
+    MATRIX,
+    RunEval,
+    _about,
+    _judge,
+    _requests,
+    evaluate,
+    markdown,
+    matrixkit,
+    summary,
+)
 
 GIB = 1 << 30
 
@@ -54,17 +64,46 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
             assert e.agrees, (e.run, e.action, e.truth)
 
 
+def test_most_verified_runs_are_decided_and_agree(evals) -> None:  # type: ignore[no-untyped-def]
+    """The floor under the goal below: at least 85 % of at least 25 verified runs agree."""
+    s = summary(evals)
+    assert s["verified"] >= 25
+    assert s["agreement"] >= 0.85
+
+
+@unmet_goal(
+    "25 of 28 verified runs agree (89 %): the three without a decision are offload runs where "
+    "nearly every returning prefix loads and every request computes a similar few hundred "
+    "new tokens (8B chat with 16 and 27 GiB, 32B chat with 48 GiB): no interval of the window "
+    "separates a computed token's cost from the per-request cost (docs/gpu-acceptance.md)",
+)
 def test_the_agreement_goal_of_the_issue(evals) -> None:  # type: ignore[no-untyped-def]
     """Settled advice agrees with the measured truth in 90 % of verified runs (issue 16)."""
     s = summary(evals)
-    assert s["verified"] >= 20
     assert s["agreement"] >= s["goals"]["agreement"]
 
 
 def test_no_advice_is_harmful(evals) -> None:  # type: ignore[no-untyped-def]
     """No enable or keep where offload costs at the size in question, no disable where it
-    pays (the issue's hard goal)."""
+    pays (the issue's hard goal), neither at the end nor settled at any time before."""
     assert summary(evals)["harmful"] == []
+
+
+def test_a_harmful_advice_settled_mid_run_counts() -> None:
+    """The 32B chat run with 48 GiB (offload cut its summed TTFT by 77 %) said
+    disable_offload for three cycles at 155 s before this was fixed: harmful, though its
+    final advice was insufficient_data."""
+    run = RunEval(
+        "qwen3-32b-chat-cpu192k", 48.0 * GIB, 48.0 * GIB, "pays", 1.04,
+        "insufficient_data", "reload_benefit_unmeasured", None, 155.0, True, False, False,
+        harmful_at_s=(155.0,),
+    )  # fmt: skip
+    assert summary([run])["harmful"] == ["qwen3-32b-chat-cpu192k"]
+    assert "harmful at 155 s" in markdown([run])
+    assert _about(48.0 * GIB, "disable_offload", None, {}) == 48.0 * GIB
+    assert _about(None, "enable_offload", 16.0 * GIB, {}) == 16.0 * GIB
+    best = {9.0 * GIB: {"ttft_saved_s_per_s": -0.01}, 27.0 * GIB: {"ttft_saved_s_per_s": 0.02}}
+    assert _about(None, "no_action", None, best) == 27.0 * GIB
 
 
 def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore[no-untyped-def]
@@ -75,9 +114,12 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
 
 
 @unmet_goal(
-    "two of 15 miss (docs/gpu-acceptance.md): 8B chat at 16 GiB, predicted +0.019 s/s, "
+    "four of 20 miss (docs/gpu-acceptance.md): 8B chat at 16 GiB, predicted +0.019 s/s, "
     "measured -0.015 (the slower of two runs of the same work); 8B unique at 9 GiB, predicted "
-    "-0.017, measured -0.041 (a store cost the request it delays ~2x its copy time there)",
+    "-0.017, measured -0.041 (a store cost the request it delays ~2x its copy time there); "
+    "32B chat at 16 GiB from both runs without offload, predicted +0.32 and +0.33, measured "
+    "+0.48 and +0.49 (the hits are predicted to 0.1 %; each saves 374 us of summed TTFT where "
+    "the TTFT fit prices a computed token at 318 us)",
 )
 def test_every_saving_predicted_before_enabling_matches_what_enabling_measured(evals) -> None:  # type: ignore[no-untyped-def]
     s = summary(evals)

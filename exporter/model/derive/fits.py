@@ -329,6 +329,17 @@ class OffloadFit:
         )
 
     @property
+    def reload_dearer_beyond_doubt(self) -> bool:
+        """Even the upper end of a computed token's cost is below the lower end of a loaded
+        token's (~95 % each, taken apart)."""
+        if self.computed_stderr is None or self.loaded_stderr is None:
+            return False
+        return (
+            self.computed_seconds_per_token + 2 * self.computed_stderr
+            < self.loaded_seconds_per_token - 2 * self.loaded_stderr
+        )
+
+    @property
     def saving_seconds_per_token(self) -> float:
         return self.computed_seconds_per_token - self.loaded_seconds_per_token
 

@@ -22,7 +22,7 @@ from exporter.model.advisor.types import (
 )
 from exporter.model.derive.balance import offload_balance
 from exporter.model.derive.engines import DeriveSettings, derive_engine
-from exporter.model.derive.fits import OffloadFit
+from exporter.model.derive.fits import OffloadFit, PrefillFit
 from exporter.thresholds import DEFAULT
 from exporter.vllm_metrics import EngineSample, TargetSample
 from exporter.window import TargetWindow
@@ -266,8 +266,51 @@ def test_pinned_pool_near_container_limit_is_urgent():
 
 
 def test_copy_speedup_below_one_disables_when_ttft_fit_is_missing():
-    d = base(**{**ON, "transfer_speedup": 0.6, "offload_fit": None})
-    assert evaluate(inp(d)).action == Action.DISABLE_OFFLOAD
+    # 110k tokens/s reloaded against a marginal recompute of 5.45 +- 0.5 us per token: even
+    # at the upper end of the slope's interval a reload (9.1 us) is slower.
+    fit = PrefillFit(0.01, 5.45e-6, 120, 0.99, stderr=0.5e-6)
+    d = base(**{**ON, "prefill_fit": fit, "transfer_speedup": 0.6, "offload_fit": None})
+    a = evaluate(inp(d))
+    assert a.action == Action.DISABLE_OFFLOAD
+    assert a.reason == "reload_slower_than_recompute"
+    assert "speedup at most 0.71" in a.explanation
+
+
+def test_copy_speedup_below_one_is_no_proof_while_the_slope_is_noise():
+    # The same point estimate from a slope that is not significant (5.45 +- 12 us: the 32B
+    # chat engine with 48 GiB, where every request computes a similar few hundred tokens):
+    # its upper end makes a reload 3.2x faster, so nothing is proven either way.
+    fit = PrefillFit(0.01, 5.45e-6, 120, 0.5, stderr=12e-6)
+    d = base(**{**ON, "prefill_fit": fit, "transfer_speedup": 0.6, "offload_fit": None})
+    a = evaluate(inp(d))
+    assert a.action == Action.INSUFFICIENT_DATA
+    assert a.reason == "reload_benefit_unmeasured"
+
+
+def test_a_computed_token_costing_less_than_nothing_proves_no_loss():
+    # The 32B chat engine with 48 GiB at 155 s (offload cut its summed TTFT by 77 %): the
+    # computed token's cost is -44.6 +- 65 us, the loaded one's 15 +- 4.4 us. Their
+    # difference's interval lies below zero, but the two intervals overlap: no disable.
+    fit = OffloadFit(
+        0.079,
+        -44.6e-6,
+        15.0e-6,
+        155,
+        0.97,
+        saving_stderr=29e-6,
+        computed_stderr=32.6e-6,
+        loaded_stderr=2.2e-6,
+    )
+    assert fit.saving_bounds() is not None and fit.saving_bounds()[1] <= 0  # type: ignore[index]
+    assert fit.reload_significantly_costly and not fit.reload_dearer_beyond_doubt
+    a = evaluate(inp(base(**{**ON, "offload_fit": fit})))
+    assert a.action == Action.INSUFFICIENT_DATA
+    # The 8B rag-zipf engine with 27 GiB: -3.1 +- 7.0 us computed, 16.2 +- 8.1 us loaded.
+    fit = replace(fit, computed_seconds_per_token=-3.1e-6, computed_stderr=3.5e-6)
+    fit = replace(fit, loaded_seconds_per_token=16.2e-6, loaded_stderr=4.07e-6)
+    fit = replace(fit, saving_stderr=4.0e-6)
+    a = evaluate(inp(base(**{**ON, "offload_fit": fit})))
+    assert a.action == Action.DISABLE_OFFLOAD and a.reason == "reload_slower_than_recompute"
 
 
 def test_small_measured_gain_disables_offload():

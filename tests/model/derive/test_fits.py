@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.model.derive.fits import prefill_fit
+from exporter.model.derive.fits import OffloadFit, prefill_fit
 
 
 def test_prefill_fit_recovers_marginal_cost_and_fixed_overhead():
@@ -72,3 +72,13 @@ def test_outlier_pass_keeps_the_high_leverage_intervals_that_identify_a_cost():
     (e,) = (x for t in r.final.targets for x in t.engines)
     saving = e.advice.numbers["measured_saving_seconds_per_loaded_token"]
     assert saving == pytest.approx(38.9e-6, rel=0.05)
+
+
+def test_reload_dearer_beyond_doubt_needs_the_two_intervals_apart() -> None:
+    """Computed 10 +- 2 us (2 sigma: 6-14) against loaded 20 +- 2 us (16-24): apart. With
+    5 us of standard error on the computed cost (0-20), they overlap; without an error
+    estimate nothing is beyond doubt."""
+    fit = OffloadFit(0.0, 10e-6, 20e-6, 60, 0.9, 1e-6, 1e-6, 1e-6)
+    assert fit.reload_dearer_beyond_doubt
+    assert not OffloadFit(0.0, 10e-6, 20e-6, 60, 0.9, 1e-6, 5e-6, 1e-6).reload_dearer_beyond_doubt
+    assert not OffloadFit(0.0, 10e-6, 20e-6, 60, 0.9, 1e-6, None, 1e-6).reload_dearer_beyond_doubt
