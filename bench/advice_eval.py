@@ -17,7 +17,7 @@ summed TTFT by at least 3 %, costs when it adds 3 % or more, neutral in between)
   neutral), no_action/disable where it costs (or is neutral); insufficient_data agrees with
   nothing. Harmful: enable or keep where it costs, disable where it pays, for the settled
   advice at the end and at any time before it (an operator acts on what the exporter says
-  when it says it).
+  when it says it). Swinging: the settled action going back to one it had left.
 - Prediction: for a run without offload, the advisor's predicted TTFT saving at every size
   its family measured (the what-if, `ttft_saved_seconds_per_second`) against the saving
   measured when that size was enabled on the same sequence; within 25 % or 0.02 s/s,
@@ -84,6 +84,9 @@ class RunEval:
     # When a settled advice was harmful at the size it spoke about, the final one included
     # (seconds since the recording's first scrape).
     harmful_at_s: tuple[float, ...] = ()
+    # Times the settled action went back to one it had left (grow, disable, grow: one): advice
+    # that swings tells an operator nothing.
+    swings: int = 0
 
 
 def _requests(run: Path) -> list[dict[str, Any]]:
@@ -138,6 +141,11 @@ def _about(
         key=lambda b: measured_at[b].get("ttft_saved_s_per_s") or 0.0,
         default=None,
     )
+
+
+def _swings(actions: Sequence[str]) -> int:
+    """How often a sequence of settled actions (repeats collapsed) returns to one it left."""
+    return sum(a in actions[:i] for i, a in enumerate(actions))
 
 
 def _pairs(
@@ -202,9 +210,12 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
         # An operator acts on any settled advice, not only on the last one: a harmful
         # action settled for a few cycles mid-run counts as harmful too.
         harmful_at: list[float] = []
+        settled: list[str] = []  # the settled actions in order, repeats collapsed
         for step in r.timeline:
             if step.action == "insufficient_data" or step.pending_action is not None:
                 continue
+            if not settled or settled[-1] != step.action:
+                settled.append(step.action)
             size = _about(own, step.action, step.recommended_buffer_bytes, measured_at)
             then = measured_at.get(size) if size is not None else None
             if then is not None and _judge(step.action, str(then["verdict"]), True)[1]:
@@ -253,6 +264,7 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                 verdict_3pct,
                 _judge(action, verdict_3pct, t is not None)[1],
                 tuple(harmful_at),
+                _swings(settled),
             )
         )
     return out
@@ -273,6 +285,7 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         "agreement": sum(e.agrees for e in labelled) / len(labelled) if labelled else None,
         "harmful": [e.run for e in evals if e.harmful or e.harmful_at_s],
         "harmful_3pct": [e.run for e in evals if e.harmful_3pct],
+        "swinging": [e.run for e in evals if e.swings],
         "decided": len(in_time) / len(evals) if evals else None,
         "predictions": len(predictions),
         "predictions_ok": sum(bool(p.ok) for p in predictions),
@@ -336,7 +349,8 @@ def markdown(evals: Sequence[RunEval]) -> str:
         f"{GOALS['agreement']:.0%}); decided within {GOALS['decision_within_s']:.0f} s: "
         f"{decided} of {s['runs']} (goal {GOALS['decided']:.0%}); harmful: "
         f"{', '.join(s['harmful']) or 'none'} (at a flat 3 %, the noise ignored: "
-        f"{', '.join(s['harmful_3pct']) or 'none'}); predicted saving within 25 %, 0.02 s/s "
+        f"{', '.join(s['harmful_3pct']) or 'none'}); settled advice swinging back to an action "
+        f"it left: {', '.join(s['swinging']) or 'none'}; predicted saving within 25 %, 0.02 s/s "
         f"or the family's noise of the measured one: {s['predictions_ok']} of {s['predictions']}.",
     ]
     return "\n".join(rows) + "\n"

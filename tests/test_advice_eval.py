@@ -17,6 +17,7 @@ from bench.advice_eval import (
     _about,
     _judge,
     _requests,
+    _swings,
     evaluate,
     markdown,
     matrixkit,
@@ -87,6 +88,18 @@ def test_no_advice_is_harmful(evals) -> None:  # type: ignore[no-untyped-def]
     """No enable or keep where offload costs at the size in question, no disable where it
     pays (the issue's hard goal), neither at the end nor settled at any time before."""
     assert summary(evals)["harmful"] == []
+
+
+def test_settled_advice_does_not_swing_back(evals) -> None:  # type: ignore[no-untyped-def]
+    """Once settled, an action may change as evidence grows, not go back to one it left (the
+    8B chat engine with 9 GiB swung between grow and disable ten times before session 5)."""
+    assert summary(evals)["swinging"] == []
+
+
+def test_swings_count_returns_only() -> None:
+    assert _swings(["grow_buffer", "disable_offload", "grow_buffer", "disable_offload"]) == 2
+    assert _swings(["grow_buffer", "disable_offload"]) == 0
+    assert _swings([]) == 0
 
 
 def test_a_harmful_advice_settled_mid_run_counts() -> None:

@@ -263,6 +263,9 @@ class WhatIfPoint:
     # Offload off: the saving were a computed token to cost the upper end of its measured
     # ~95 % interval; what a "would not pay" must hold against.
     ttft_saved_upper_seconds_per_second: float | None = None
+    # Offload on: the saving were a loaded token to save the lower end of its measured ~95 %
+    # interval; what a "grow" must hold against (more pinned memory needs proof).
+    ttft_saved_lower_seconds_per_second: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

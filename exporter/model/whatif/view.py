@@ -317,14 +317,16 @@ def whatif_state(
     pf = d.prefill_fit
     per_token = pf.seconds_per_token if pf is not None and pf.seconds_per_token > 0 else cost
 
-    def saved(hits: float, cost: float | None) -> float | None:
+    def saved(hits: float, cost: float | None, z: float = 0.0) -> float | None:
         if bal is not None and fit is not None and computed is not None:
-            # Offload on: price each hit at the measured saving per loaded token and every
-            # token computed without offload at the measured store cost, as the balance does
-            # (at the configured size the two agree).
+            # Offload on: price each hit at the measured saving per loaded token (shifted by
+            # z standard errors) and every token computed without offload at the measured
+            # store cost, as the balance does (at the configured size the two agree).
+            if z and fit.saving_stderr is None:
+                return None
+            saving = fit.saving_seconds_per_token + z * (fit.saving_stderr or 0.0)
             per_store = bal.store_seconds / (bal.loaded_tokens + bal.computed_tokens)
-            net = hits * fit.saving_seconds_per_token - computed * per_store
-            return net / view.seconds
+            return (hits * saving - computed * per_store) / view.seconds
         priced = hits * share
         return ttft_saved_seconds_per_second(
             hits / view.seconds,
@@ -341,12 +343,14 @@ def whatif_state(
         if cost is not None and stderr is not None and not d.offload_enabled
         else None
     )
+    on = bal is not None and fit is not None and computed is not None
     points = tuple(
         WhatIfPoint(
             float(size),
             min(1.0, hits / view.prompt_tokens),
             saved(hits, cost),
             saved(hits, upper_cost) if upper_cost is not None else None,
+            saved(hits, cost, -2.0) if on else None,
         )
         for size, hits in zip(sizes_bytes, view.hits, strict=True)
     )

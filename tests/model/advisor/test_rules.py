@@ -389,14 +389,24 @@ def test_a_balance_too_small_at_this_size_grows_when_a_larger_one_is_predicted_t
     bal = offload_balance(CHAT_FIT, CHAT_SUMS)
     d = base(**{**ON, "offload_fit": CHAT_FIT, "balance": bal, "transfer_speedup": 3.5})
     big = (
-        WhatIfPoint(0.5 * GIB, 0.17, -0.001),
-        WhatIfPoint(4 * GIB, 0.60, 0.05),  # 15 s over 300 s: about half the TTFT
+        WhatIfPoint(0.5 * GIB, 0.17, -0.001, None, -0.004),
+        # 15 s over 300 s, about half the TTFT; 9 s at the lower end of a loaded token's saving
+        WhatIfPoint(4 * GIB, 0.60, 0.05, None, 0.03),
     )
     a = evaluate(inp(d, whatif=WhatIfState(big, 0.0, 0.17)))
     assert a.action == Action.GROW_BUFFER and a.recommended_buffer_bytes == 4 * GIB
+    assert "saving at least" in a.explanation
     # Predicted to save too little there as well: off.
-    small = (WhatIfPoint(0.5 * GIB, 0.17, -0.001), WhatIfPoint(4 * GIB, 0.60, 0.001))
+    small = (WhatIfPoint(0.5 * GIB, 0.17, -0.001), WhatIfPoint(4 * GIB, 0.60, 0.001, None, -0.002))
     a = evaluate(inp(d, whatif=WhatIfState(small, 0.0, 0.17)))
+    assert a.action == Action.DISABLE_OFFLOAD
+    # Material at the point estimate (about 5 % of the TTFT), not at the lower end: off, not
+    # more pinned memory on an estimate (the 8B chat engine with 9 GiB swung between the two).
+    unsure = (WhatIfPoint(0.5 * GIB, 0.17, -0.001), WhatIfPoint(4 * GIB, 0.60, 0.005, None, -0.01))
+    a = evaluate(inp(d, whatif=WhatIfState(unsure, 0.0, 0.17)))
+    assert a.action == Action.DISABLE_OFFLOAD and a.reason == "ttft_saving_immaterial"
+    # No lower end (no standard error): nothing proves the larger size either.
+    a = evaluate(inp(d, whatif=WhatIfState((big[0], WhatIfPoint(4 * GIB, 0.6, 0.05)), 0.0, 0.17)))
     assert a.action == Action.DISABLE_OFFLOAD
 
 

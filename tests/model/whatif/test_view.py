@@ -211,6 +211,17 @@ def test_whatif_saving_with_offload_on_is_priced_as_the_balance() -> None:
     assert state.points[0].ttft_saved_seconds_per_second == pytest.approx(
         (300 * 30e-6 - 1200 * 0.012 / 1000) / 10.0
     )
+    # What a "grow" holds against: the saving per loaded token at the lower end of its
+    # interval (30 - 2 x 1 us); no upper bound with offload on.
+    assert state.points[0].ttft_saved_lower_seconds_per_second == pytest.approx(
+        (300 * 28e-6 - 1200 * 0.012 / 1000) / 10.0
+    )
+    assert state.points[0].ttft_saved_upper_seconds_per_second is None
+    unsure = dataclasses.replace(fit, saving_stderr=None)
+    d = derived(offload_enabled=True, offload_fit=unsure, balance=bal)
+    state = whatif_state(snapshot(), w, d, (1000, 2000))
+    assert state is not None and state.points[0].ttft_saved_seconds_per_second is not None
+    assert state.points[0].ttft_saved_lower_seconds_per_second is None
 
 
 def test_policy_points_at_the_planned_size_only() -> None:
@@ -503,3 +514,4 @@ def test_offload_off_points_carry_the_saving_at_the_upper_end_of_the_cost() -> N
     plain = whatif_state(snap, WINDOW, derived(), (1000, 2000))
     assert plain is not None
     assert all(p.ttft_saved_upper_seconds_per_second is None for p in plain.points)
+    assert all(p.ttft_saved_lower_seconds_per_second is None for p in state.points)
