@@ -265,26 +265,26 @@ def test_pinned_pool_near_container_limit_is_urgent():
     assert a.recommended_buffer_bytes == pytest.approx((0.9 * 16 - 14.125) / 1.75 * GIB)
 
 
-def test_copy_speedup_below_one_disables_when_ttft_fit_is_missing():
-    # 110k tokens/s reloaded against a marginal recompute of 5.45 +- 0.5 us per token: even
-    # at the upper end of the slope's interval a reload (9.1 us) is slower.
-    fit = PrefillFit(0.01, 5.45e-6, 120, 0.99, stderr=0.5e-6)
+@pytest.mark.parametrize(
+    ("stderr", "action", "reason", "says"),
+    [
+        # 110k tokens/s reloaded against a marginal recompute of 5.45 +- 0.5 us per token:
+        # even at the upper end of the slope's interval a reload (9.1 us) is slower.
+        (0.5e-6, Action.DISABLE_OFFLOAD, "reload_slower_than_recompute", "speedup at most 0.71"),
+        # The same point estimate from a slope that is not significant (+- 12 us: the 32B chat
+        # engine with 48 GiB, where every request computes a similar few hundred tokens): its
+        # upper end makes a reload 3.2x faster, so nothing is proven either way.
+        (12e-6, Action.INSUFFICIENT_DATA, "reload_benefit_unmeasured", "not measured yet"),
+    ],
+)
+def test_copy_speedup_below_one_decides_at_the_upper_end_without_a_ttft_fit(
+    stderr: float, action: Action, reason: str, says: str
+) -> None:
+    fit = PrefillFit(0.01, 5.45e-6, 120, 0.99, stderr=stderr)
     d = base(**{**ON, "prefill_fit": fit, "transfer_speedup": 0.6, "offload_fit": None})
     a = evaluate(inp(d))
-    assert a.action == Action.DISABLE_OFFLOAD
-    assert a.reason == "reload_slower_than_recompute"
-    assert "speedup at most 0.71" in a.explanation
-
-
-def test_copy_speedup_below_one_is_no_proof_while_the_slope_is_noise():
-    # The same point estimate from a slope that is not significant (5.45 +- 12 us: the 32B
-    # chat engine with 48 GiB, where every request computes a similar few hundred tokens):
-    # its upper end makes a reload 3.2x faster, so nothing is proven either way.
-    fit = PrefillFit(0.01, 5.45e-6, 120, 0.5, stderr=12e-6)
-    d = base(**{**ON, "prefill_fit": fit, "transfer_speedup": 0.6, "offload_fit": None})
-    a = evaluate(inp(d))
-    assert a.action == Action.INSUFFICIENT_DATA
-    assert a.reason == "reload_benefit_unmeasured"
+    assert (a.action, a.reason) == (action, reason)
+    assert says in a.explanation
 
 
 def test_a_computed_token_costing_less_than_nothing_proves_no_loss():
