@@ -5,8 +5,9 @@
     python -m bench.soak --attach http://127.0.0.1:8000 # an already running vLLM
 
 Every --sample-interval seconds it records the exporter's resident memory and open file
-descriptors (from /proc/PID), its threads, its asyncio task count and any event-queue
-depth (from /api/v1/status), and checks that /metrics answers 200. After --warmup (at
+descriptors (from /proc/PID), its threads, its asyncio task count (from /api/v1/status)
+and the KV-event batches left queued after the last cycle's drain (the backlog,
+`kvoffload_kv_event_queue_depth` from /metrics, which must answer 200). After --warmup (at
 least one --window, so the sliding window is full) the first and last thirds of the
 samples are compared: each quantity must stay within --tolerance (5%) of its level,
 with one unit of slack for small counts (fds, tasks, threads). Exit status 1 if not.
@@ -29,11 +30,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from exporter import expfmt
+from exporter.catalogue import metric
 from testbed.exporter_proc import ExporterProcess
 from testbed.procs import free_port, http_get
 from testbed.vllm_cpu import VllmServer, complete
 
 COUNT_FLOOR = {"fds": 1.0, "tasks": 1.0, "threads": 1.0, "queue_depth": 1.0}
+QUEUE_DEPTH = metric("kvoffload_kv_event_queue_depth").name
 
 
 @dataclass
@@ -95,14 +99,22 @@ def sample(pid: int, base_url: str, t: float) -> Sample:
     except (OSError, ValueError):  # no answer in 10 s counts as a failure, below
         doc = {}
     tasks = float((doc.get("runtime") or {}).get("asyncio_tasks") or 0)
-    depth = float(sum(c.get("queue_depth") or 0 for c in doc.get("collectors", [])))
     try:
-        metrics_status, _ = http_get(base_url + "/metrics", timeout=10)
+        metrics_status, metrics = http_get(base_url + "/metrics", timeout=10)
     except OSError:
-        metrics_status = 0
+        metrics_status, metrics = 0, b""
+    depth = backlog(metrics.decode("utf-8", "replace")) if metrics_status == 200 else 0.0
     if not doc:
         metrics_status = metrics_status if metrics_status != 200 else -1
     return Sample(t, rss, fds, threads, tasks, depth, int(doc.get("cycles", -1)), metrics_status)
+
+
+def backlog(exposition: str) -> float:
+    """KV-event batches left queued after the last cycle's drain, over all targets
+    (`kvoffload_kv_event_queue_depth`). The queue's size at any other instant is what
+    arrived since the last drain: traffic, not a backlog (a sample between drains once read
+    2 batches and failed the CI soak)."""
+    return float(sum(x.value for x in expfmt.parse(exposition, (QUEUE_DEPTH,))))
 
 
 def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:

@@ -2,7 +2,8 @@
 server (KV events on), the exporter as a process and a steady workload.
 
 Asserts what the soak measures: /metrics always answered, and resident memory, open
-fds, threads, asyncio tasks and KV-event queue depth not growing by more than 5% (one unit
+fds, threads, asyncio tasks and the KV-event backlog (the queue left after each cycle's
+drain) not growing by more than 5% (one unit
 of slack for the small counts) between the first and last thirds after the warm-up. No
 latency is asserted.
 """
@@ -11,13 +12,26 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import Sample, judge, report, run
+from bench.soak import Sample, backlog, judge, report, run
 
 
 def _samples(depths: list[float]) -> list[Sample]:
     return [
         Sample(float(t), 50e6, 16.0, 7.0, 5.0, d, t, 200) for t, d in enumerate(depths, start=1)
     ]
+
+
+def test_backlog_reads_the_queue_left_after_each_drain() -> None:
+    """The soak's queue depth is the exporter's own gauge, summed over targets; without a
+    KV-event consumer there is none."""
+    body = (
+        "# TYPE kvoffload_kv_event_queue_depth gauge\n"
+        'kvoffload_kv_event_queue_depth{target="a"} 2\n'
+        'kvoffload_kv_event_queue_depth{target="b"} 3\n'
+        "kvoffload_kv_events_dropped_total 9\n"
+    )
+    assert backlog(body) == 5.0
+    assert backlog("kvoffload_up 1\n") == 0.0
 
 
 def test_judge_flags_growth_not_a_drop() -> None:
