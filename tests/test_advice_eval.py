@@ -65,22 +65,14 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
             assert e.agrees, (e.run, e.action, e.truth)
 
 
-def test_most_verified_runs_are_decided_and_agree(evals) -> None:  # type: ignore[no-untyped-def]
-    """The floor under the goal below: at least 85 % of at least 25 verified runs agree."""
+def test_the_agreement_goal_of_the_issue(evals) -> None:  # type: ignore[no-untyped-def]
+    """Settled advice agrees with the measured truth in 90 % of at least 25 verified runs
+    (issue 16). The runs that miss are offload runs without a decision: nearly every returning
+    prefix loads and every request computes a similar few hundred new tokens (8B chat with 16
+    and 27 GiB, 32B chat with 48 GiB), so no interval of the window separates a computed
+    token's cost from the per-request cost (docs/gpu-acceptance.md)."""
     s = summary(evals)
     assert s["verified"] >= 25
-    assert s["agreement"] >= 0.85
-
-
-@unmet_goal(
-    "25 of 28 verified runs agree (89 %): the three without a decision are offload runs where "
-    "nearly every returning prefix loads and every request computes a similar few hundred "
-    "new tokens (8B chat with 16 and 27 GiB, 32B chat with 48 GiB): no interval of the window "
-    "separates a computed token's cost from the per-request cost (docs/gpu-acceptance.md)",
-)
-def test_the_agreement_goal_of_the_issue(evals) -> None:  # type: ignore[no-untyped-def]
-    """Settled advice agrees with the measured truth in 90 % of verified runs (issue 16)."""
-    s = summary(evals)
     assert s["agreement"] >= s["goals"]["agreement"]
 
 
@@ -127,12 +119,14 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
 
 
 @unmet_goal(
-    "four of 20 miss (docs/gpu-acceptance.md): 8B chat at 16 GiB, predicted +0.019 s/s, "
-    "measured -0.015 (the slower of two runs of the same work); 8B unique at 9 GiB, predicted "
-    "-0.017, measured -0.041 (a store cost the request it delays ~2x its copy time there); "
-    "32B chat at 16 GiB from both runs without offload, predicted +0.32 and +0.33, measured "
-    "+0.48 and +0.49 (the hits are predicted to 0.1 %; each saves 374 us of summed TTFT where "
-    "the TTFT fit prices a computed token at 318 us)",
+    "eight of 26 miss (docs/gpu-acceptance.md): 8B concurrent at 9 and 27 GiB from both runs "
+    "without offload, predicted +0.12 to +0.20 s/s, measured +0.004 to +0.069 (bursts: a load "
+    "takes its request, and others, out of the burst's step into a later one; the wait is a "
+    "whole prefill, not a fifth); 32B chat at 16 GiB from both runs without offload, predicted "
+    "+0.32 and +0.33, measured +0.48 and +0.49 (each hit saves 374 us of summed TTFT where the "
+    "TTFT fit prices a computed token at 318 us); 8B chat at 16 GiB, predicted +0.019, measured "
+    "-0.015 (the slower of two runs of the same work); 8B unique at 9 GiB, predicted -0.017, "
+    "measured -0.041 (a store delays its request ~2x its copy time there)",
 )
 def test_every_saving_predicted_before_enabling_matches_what_enabling_measured(evals) -> None:  # type: ignore[no-untyped-def]
     s = summary(evals)
@@ -259,11 +253,8 @@ def test_two_runs_of_the_same_work_set_the_band_a_change_must_exceed(tmp_path: P
     assert after[pair[1]].threshold == pytest.approx(0.1, abs=1e-3)
     assert after[pair[1]].truth == "neutral" and after[pair[1]].truth_3pct == "costs"
 
-    # Other work: one request in fifty served with more cached tokens.
-    _rewrite_requests(
-        twin,
-        lambda r: r.update(cached_tokens=r["cached_tokens"] + 16) if r["i"] % 50 == 0 else None,
-    )
+    # Other work: one request in ten computed its whole prompt (no cached tokens).
+    _rewrite_requests(twin, lambda r: r.update(cached_tokens=0) if r["i"] % 10 == 0 else None)
     metas = {p.name: json.loads((p / "meta.json").read_text()) for p in tmp_path.iterdir()}
     records = {p.name: _requests(p) for p in tmp_path.iterdir()}
     assert matrixkit.family_noise(metas, records) == {}

@@ -876,9 +876,28 @@ def test_matrix_noise_band_from_two_runs_of_the_same_work_on_one_gpu() -> None:
     # Without a UUID, traffic within one device session counts as one machine.
     assert mk.family_noise({"a": meta(0, None, 9), "b": meta(600, None, 27)}, runs) != {}
     assert mk.family_noise({"a": meta(0, None, 9), "b": meta(9000, None, 27)}, runs) == {}
-    other_work = {"a": runs["a"], "b": _recs([0.11] * 10, 128)}
+    other_work = {"a": runs["a"], "b": _recs([0.11] * 10, 32)}
     assert mk.family_noise(on_one, other_work) == {}
     assert mk.truth_threshold(None) == mk.TRUTH_THRESHOLD
+
+
+def test_concurrent_requests_trading_prefix_hits_still_did_the_same_work() -> None:
+    """Two runs of 100 requests where 4 pairs of requests swapped their cached tokens (the
+    order concurrent requests were scheduled in decides who hits): the same tokens computed in
+    all, so their difference is a noise band; a run that computed 8 % more did other work."""
+    a = _recs([0.10] * 100, 64)
+    b = _recs([0.11] * 100, 64)
+    for i in range(0, 8, 2):
+        b[i]["cached_tokens"], b[i + 1]["cached_tokens"] = 96, 32
+    assert mk.same_work(a, b)
+    metas = {k: {"pair": "f", "offload": None, "gpu": {"uuid": "GPU-1"}} for k in "ab"}
+    assert mk.family_noise(metas, {"a": a, "b": b})["f"]["relative_difference"] == pytest.approx(
+        0.1
+    )
+    more = _recs([0.11] * 100, 64)
+    for i in range(0, 8, 2):
+        more[i]["cached_tokens"], more[i + 1]["cached_tokens"] = 64 - 36, 64 - 36
+    assert not mk.same_work(a, more)  # 288 more of 3600 computed tokens: 8 %
 
 
 class _FakeVllm(BaseHTTPRequestHandler):
