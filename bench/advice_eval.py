@@ -22,6 +22,10 @@ summed TTFT by at least 3 %, costs when it adds 3 % or more, neutral in between)
   its family measured (the what-if, `ttft_saved_seconds_per_second`) against the saving
   measured when that size was enabled on the same sequence; within 25 % or 0.02 s/s,
   whichever is larger.
+- After enabling: each offload run is also replayed after its run without offload
+  (`replay --prior`): the cost of a computed token measured there is remembered, as a live
+  exporter remembers it across the restart that enables offload. Reported beside the goals,
+  which are measured on every recording alone.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from exporter.config import Config
-from exporter.replay import replay_one
+from exporter.model.derive.fits import PrefillFit
+from exporter.replay import Step, replay_one
+from exporter.vllm_metrics import EngineKey
 
 REPO = Path(__file__).resolve().parent.parent
 MATRIX = REPO / "tests" / "fixtures" / "gpu" / "matrix"
@@ -58,6 +64,18 @@ class Prediction:
     predicted: float | None  # the what-if's TTFT saving at that size, before enabling
     measured: float  # what enabling that size measured on the same sequence
     ok: bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class After:
+    """An offload run's settled advice when replayed after its run without offload."""
+
+    base: str
+    action: str
+    reason: str
+    verified: bool  # a run of the size it speaks about exists
+    agrees: bool
+    harmful: bool  # at the end or settled at any time before
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +105,7 @@ class RunEval:
     # Times the settled action went back to one it had left (grow, disable, grow: one): advice
     # that swings tells an operator nothing.
     swings: int = 0
+    after: After | None = None  # offload runs: replayed after their run without offload
 
 
 def _requests(run: Path) -> list[dict[str, Any]]:
@@ -192,7 +211,9 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
         return truths[base.name, on.name]
 
     out: list[RunEval] = []
-    for run in runs:
+    before: dict[str, dict[EngineKey, PrefillFit]] = {}  # run without offload -> its fits
+    # Runs without offload first: an offload run's replay after its base takes its fits.
+    for run in sorted(runs, key=lambda r: _offload_bytes(metas[r.name]) is not None):
         own = _offload_bytes(metas[run.name])
         pairs = _pairs(runs, metas, run)
         r = replay_one(run, Config())
@@ -207,19 +228,9 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
         verdict_3pct = str(t["verdict_3pct"]) if t is not None else "unknown"
         measured = t.get("ttft_saved_s_per_s") if t is not None else None
         agrees, harmful = _judge(action, verdict, t is not None)
-        # An operator acts on any settled advice, not only on the last one: a harmful
-        # action settled for a few cycles mid-run counts as harmful too.
-        harmful_at: list[float] = []
-        settled: list[str] = []  # the settled actions in order, repeats collapsed
-        for step in r.timeline:
-            if step.action == "insufficient_data" or step.pending_action is not None:
-                continue
-            if not settled or settled[-1] != step.action:
-                settled.append(step.action)
-            size = _about(own, step.action, step.recommended_buffer_bytes, measured_at)
-            then = measured_at.get(size) if size is not None else None
-            if then is not None and _judge(step.action, str(then["verdict"]), True)[1]:
-                harmful_at.append(step.t)
+        harmful_at, settled = _timeline(r.timeline, own, measured_at)
+        if own is None:
+            before[run.name] = r.before
         predictions: list[Prediction] = []
         if own is None and measured_at:
             at = replay_one(run, Config(whatif_sizes=tuple(int(b) for b in sorted(measured_at))))
@@ -265,9 +276,55 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                 _judge(action, verdict_3pct, t is not None)[1],
                 tuple(harmful_at),
                 _swings(settled),
+                _after(run, own, metas, measured_at, before) if own is not None else None,
             )
         )
-    return out
+    return sorted(out, key=lambda e: e.run)
+
+
+def _timeline(
+    timeline: Sequence[Step], own: float | None, measured_at: dict[float, dict[str, Any]]
+) -> tuple[list[float], list[str]]:
+    """When a settled advice was harmful at the size it spoke about, and the settled actions
+    in order (repeats collapsed). An operator acts on any settled advice, not only on the
+    last one: a harmful action settled for a few cycles mid-run counts as harmful too."""
+    harmful_at: list[float] = []
+    settled: list[str] = []
+    for step in timeline:
+        if step.action == "insufficient_data" or step.pending_action is not None:
+            continue
+        if not settled or settled[-1] != step.action:
+            settled.append(step.action)
+        size = _about(own, step.action, step.recommended_buffer_bytes, measured_at)
+        then = measured_at.get(size) if size is not None else None
+        if then is not None and _judge(step.action, str(then["verdict"]), True)[1]:
+            harmful_at.append(step.t)
+    return harmful_at, settled
+
+
+def _after(
+    run: Path,
+    own: float,
+    metas: dict[str, dict[str, Any]],
+    measured_at: dict[float, dict[str, Any]],
+    before: dict[str, dict[EngineKey, PrefillFit]],
+) -> After | None:
+    """The offload run replayed with what its run without offload measured remembered."""
+    base = matrixkit.base_run(metas, run.name)
+    if base is None:
+        return None
+    if base not in before:
+        before[base] = replay_one(run.parent / base, Config()).before
+    r = replay_one(run, Config(), before=before[base])
+    (final,) = (e for t in r.final.targets for e in t.engines)
+    a = final.advice
+    about = _about(own, str(a.action), a.recommended_buffer_bytes, measured_at)
+    t = measured_at.get(about) if about is not None else None
+    agrees, harmful = _judge(str(a.action), str(t["verdict"]) if t else "unknown", t is not None)
+    harmful_at, _ = _timeline(r.timeline, own, measured_at)
+    return After(
+        base, str(a.action), str(a.reason), t is not None, agrees, harmful or bool(harmful_at)
+    )
 
 
 def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
@@ -279,6 +336,7 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         if e.first_decision_s is not None and e.first_decision_s <= GOALS["decision_within_s"]
     ]
     predictions = [p for e in evals for p in e.predictions if p.ok is not None]
+    after = [e.after for e in evals if e.after is not None and e.after.verified]
     return {
         "runs": len(evals),
         "verified": len(labelled),
@@ -290,6 +348,11 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         "predictions": len(predictions),
         "predictions_ok": sum(bool(p.ok) for p in predictions),
         "prediction_misses": [f"{p.run} at {_gib(p.size_bytes)}" for p in predictions if not p.ok],
+        "after": {
+            "verified": len(after),
+            "agreement": sum(a.agrees for a in after) / len(after) if after else None,
+            "harmful": [e.run for e in evals if e.after is not None and e.after.harmful],
+        },
         "goals": GOALS,
     }
 
@@ -341,8 +404,34 @@ def markdown(evals: Sequence[RunEval]) -> str:
                 f"| {p.run} | {_gib(p.size_bytes)} | {_num(p.predicted)} | {_num(p.measured)} | "
                 f"{within} |"
             )
+    rows += [
+        "",
+        "| offload run | settled action alone | after its run without offload | verdict after |",
+        "|---|---|---|---|",
+    ]
+    for e in evals:
+        if e.after is None:
+            continue
+        a = e.after
+        then = (
+            "harmful"
+            if a.harmful
+            else "agrees"
+            if a.agrees
+            else "unverified"
+            if not a.verified
+            else "no decision"
+            if a.action == "insufficient_data"
+            else "disagrees"
+        )
+        rows.append(
+            f"| {e.run} | {e.action} ({e.reason}) | {a.action} ({a.reason}) after {a.base} | "
+            f"{then} |"
+        )
     agreement = "-" if s["agreement"] is None else f"{s['agreement']:.0%}"
     decided = "-" if s["decided"] is None else f"{s['decided']:.0%}"
+    after = s["after"]
+    after_agreement = "-" if after["agreement"] is None else f"{after['agreement']:.0%}"
     rows += [
         "",
         f"Agreement on verified runs: {agreement} of {s['verified']} (goal "
@@ -352,6 +441,10 @@ def markdown(evals: Sequence[RunEval]) -> str:
         f"{', '.join(s['harmful_3pct']) or 'none'}); settled advice swinging back to an action "
         f"it left: {', '.join(s['swinging']) or 'none'}; predicted saving within 25 %, 0.02 s/s "
         f"or the family's noise of the measured one: {s['predictions_ok']} of {s['predictions']}.",
+        "",
+        f"Offload runs replayed after their run without offload (`replay --prior`): agreement "
+        f"{after_agreement} of {after['verified']} verified; harmful: "
+        f"{', '.join(after['harmful']) or 'none'}.",
     ]
     return "\n".join(rows) + "\n"
 

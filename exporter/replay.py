@@ -21,7 +21,7 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from exporter.config import Config, ConfigError, add_arguments, load_config
 from exporter.kvevents_codec import Message
 from exporter.model.advisor.types import Action, Advice
 from exporter.model.derive.engines import DeriveSettings
+from exporter.model.derive.fits import PrefillFit
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.pipeline import CycleResult, EngineResult, Pipeline
 from exporter.options import TargetConfig
@@ -49,6 +50,7 @@ from exporter.sources import CollectError, ErrorKind, execute
 from exporter.sources.kv_events.source import StreamItem
 from exporter.sources.vllm_http import VllmTarget
 from exporter.vllm_cmdline import launch_config
+from exporter.vllm_metrics import EngineKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,9 @@ class Replayed:
     timeline: tuple[Step, ...]  # the first step of each engine, then every change
     final: CycleResult
     first_decision: dict[tuple[str, str], float]  # (model, engine) -> t of the first settled
+    # Each engine's TTFT fit with offload off at the end (what a live exporter would carry
+    # into the restart that enables offload; `--prior`).
+    before: dict[EngineKey, PrefillFit]
 
 
 def _step(t: float, target: str, e: EngineResult) -> Step:
@@ -127,12 +132,20 @@ def scrape_interval(scrapes: Sequence[Scrape]) -> float:
     return statistics.median(gaps) if gaps else 1.0
 
 
-def replay_one(directory: Path, cfg: Config, label: str | None = None) -> Replayed:
-    """Replay one recording; the target is named after its directory unless `label`."""
+def replay_one(
+    directory: Path,
+    cfg: Config,
+    label: str | None = None,
+    before: Mapping[EngineKey, PrefillFit] | None = None,
+) -> Replayed:
+    """Replay one recording; the target is named after its directory unless `label`.
+    `before`: the engines' TTFT fits with offload off from an earlier recording (Replayed.
+    before), remembered from the start as a live exporter remembers them."""
     scrapes = read_scrapes(directory)
     meta = read_meta(directory)
     events = _kv_items(read_kv_events(directory)) if has_kv_events(directory) else None
-    return asyncio.run(_replay(scrapes, meta, events, cfg, label or directory.resolve().name))
+    name = label or directory.resolve().name
+    return asyncio.run(_replay(scrapes, meta, events, cfg, name, before or {}))
 
 
 async def _replay(
@@ -141,6 +154,7 @@ async def _replay(
     events: Iterator[tuple[float, StreamItem]] | None,
     cfg: Config,
     label: str,
+    before: Mapping[EngineKey, PrefillFit],
 ) -> Replayed:
     interval = scrape_interval(scrapes)
     now = scrapes[0].t
@@ -171,6 +185,7 @@ async def _replay(
     pipeline = Pipeline(
         cfg.thresholds, confirm=cfg.advice_confirm_cycles, whatif=whatif_settings(cfg)
     )
+    pipeline.remember_before(label, before)
     settings = DeriveSettings(
         stale_after=2 * interval + cfg.effective_scrape_timeout,
         kv_bytes_per_token=meta.kv_bytes_per_token or cfg.kv_bytes_per_token or None,
@@ -216,6 +231,7 @@ async def _replay(
         tuple(timeline),
         result,
         first,
+        pipeline.before(label),
     )
 
 
@@ -303,11 +319,20 @@ def run(argv: Sequence[str]) -> int:
     )
     parser.add_argument("directory", type=Path, help="a recording, or a folder of recordings")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument(
+        "--prior",
+        type=Path,
+        metavar="DIR",
+        help="a recording of the same engine without offload, replayed first: the cost of a "
+        "computed token it measured is remembered, as a running exporter remembers it across "
+        "the vLLM restart that enables offload",
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args, {}, require_targets=False)
-        results = [replay_one(d, cfg) for d in recordings(args.directory)]
+        before = replay_one(args.prior, cfg).before if args.prior else None
+        results = [replay_one(d, cfg, before=before) for d in recordings(args.directory)]
     except ConfigError as exc:
         print(f"kv-offload-exporter replay: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.advice_eval import (
+    GOALS,
     MATRIX,
     RunEval,
     _about,
@@ -74,6 +75,26 @@ def test_the_agreement_goal_of_the_issue(evals) -> None:  # type: ignore[no-unty
     s = summary(evals)
     assert s["verified"] >= 25
     assert s["agreement"] >= s["goals"]["agreement"]
+
+
+def test_after_enabling_the_cost_measured_without_offload_only_adds_decisions(evals) -> None:  # type: ignore[no-untyped-def]
+    """Each offload run replayed after its run without offload (`replay --prior`, what a
+    running exporter knows after the restart that enables offload): nothing harmful, the
+    agreement goal holds, no run loses its decision, and a run the window alone could not
+    price (a computed token's cost unidentified) gets one."""
+    s = summary(evals)["after"]
+    assert s["harmful"] == []
+    assert s["verified"] >= 15 and s["agreement"] >= GOALS["agreement"]
+    offload = [e for e in evals if e.after is not None]
+    assert len(offload) == sum(e.offload_bytes is not None for e in evals)
+    for e in offload:
+        assert e.after is not None
+        if e.action != "insufficient_data":
+            assert e.after.action != "insufficient_data", e.run
+    assert any(
+        e.action == "insufficient_data" and e.after and e.after.action != "insufficient_data"
+        for e in offload
+    )
 
 
 def test_no_advice_is_harmful(evals) -> None:  # type: ignore[no-untyped-def]

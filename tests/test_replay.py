@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import lzma
 import re
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +24,15 @@ from tests.nvml_doubles import FakeClock
 
 GPU = Path(__file__).parent / "fixtures" / "gpu"
 LARGE_B = GPU / "large-b"
+MATRIX = GPU / "matrix"
 GIB = 1 << 30
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench" / "gpu"))
+import matrixkit  # noqa: E402  bench/gpu holds scripts, not a package
+
+
+def _requests(run: Path) -> list[dict[str, object]]:
+    with lzma.open(run / "requests.jsonl.xz", "rt") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
 
 
 def recording_of(run: Path, dest: Path, *, meta: bool = True) -> Path:
@@ -178,3 +188,31 @@ def test_bad_recordings_are_clear_errors(tmp_path: Path, capsys) -> None:
     (bad / "meta.json").write_text('{"vllm_argv": "vllm serve"}')
     assert main(["replay", str(bad)]) == 1
     assert "vllm_argv must be a list" in capsys.readouterr().err
+
+
+def test_replay_after_the_run_without_offload_remembers_a_computed_tokens_cost(capsys) -> None:
+    """32B chat with 48 GiB: every request loads its history and computes a similar few hundred
+    tokens, so the recording alone cannot price a computed token and the advice waits. Replayed
+    after the same engine's run without offload (`--prior`), the cost measured there is
+    remembered, as a live exporter remembers it across the restart that enables offload, and
+    the advice settles on the side the two runs' measured TTFTs put it."""
+    on, off = MATRIX / "qwen3-32b-chat-cpu192k", MATRIX / "qwen3-32b-chat-none-rep"
+    truth = matrixkit.paired_truth(_requests(off), _requests(on))
+    alone = replay_one(on, Config())
+    (engine,) = alone.final.targets[0].engines
+    assert engine.advice.action == Action.INSUFFICIENT_DATA
+    assert alone.before == {}  # offload on all along: nothing measured with it off
+
+    base = replay_one(off, Config())
+    (fit,) = base.before.values()
+    assert fit.significant
+    after = replay_one(on, Config(), before=base.before)
+    (engine,) = after.final.targets[0].engines
+    assert engine.derived.offload_fit is not None and engine.derived.offload_fit.computed_before
+    side = "pays" if engine.advice.action in (Action.KEEP, Action.SHRINK_BUFFER) else "costs"
+    assert truth["verdict"] == side == "pays"
+    assert "measured before offload was enabled" in engine.advice.explanation
+
+    assert main(["replay", str(on), "--prior", str(off), "--json"]) == 0
+    (final,) = json.loads(capsys.readouterr().out)["final"]
+    assert final["action"] == str(engine.advice.action)

@@ -2,7 +2,9 @@
 simulation, advise, plan the simulation for the next cycle.
 
 `Pipeline` keeps the state that spans cycles and nothing else: the advisor's hysteresis,
-the what-if simulation of each target and the last recommended buffer of each engine. It
+the what-if simulation of each target, the last recommended buffer of each engine and the
+cost of a computed token each engine last measured with offload off (kept across restarts:
+enabling offload restarts vLLM, and the fits with offload on may need it). It
 does no I/O and reads no clock (the time is CycleInputs.now), so the live exporter and
 `kv-offload-exporter replay` run the very same steps.
 """
@@ -22,6 +24,7 @@ from exporter.model.advisor.types import (
     WhatIfState,
 )
 from exporter.model.derive.engines import EngineDerived, derive_target
+from exporter.model.derive.fits import PrefillFit
 from exporter.model.derive.peers import with_peer_recompute
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.whatif.engine import EngineSnapshot, WhatIf, WhatIfSettings
@@ -29,6 +32,10 @@ from exporter.model.whatif.plan import sim_config
 from exporter.model.whatif.view import engine_rank, policy_points, tier_evidence, whatif_state
 from exporter.thresholds import DEFAULT, Thresholds
 from exporter.vllm_metrics import EngineKey
+
+# Targets whose costs with offload off are remembered: far more than one exporter watches,
+# a bound only against targets that come and go (discovery) for months.
+MAX_REMEMBERED = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +91,22 @@ class Pipeline:
         self.whatif_settings = whatif or WhatIfSettings()
         self._whatif: dict[str, WhatIf] = {}
         self._recommended: dict[tuple[str, EngineKey], float | None] = {}
+        self._before: dict[str, dict[EngineKey, PrefillFit]] = {}
+
+    def before(self, label: str) -> dict[EngineKey, PrefillFit]:
+        """The TTFT fit each engine of the target last measured with offload off."""
+        return dict(self._before.get(label, {}))
+
+    def remember_before(self, label: str, fits: Mapping[EngineKey, PrefillFit]) -> None:
+        """Take these as the target's fits with offload off (also how a replay follows a
+        recording of the same engine without offload)."""
+        if not fits:
+            return
+        target = self._before.pop(label, {})
+        target.update(fits)
+        self._before[label] = target  # the most recently measured target last
+        while len(self._before) > MAX_REMEMBERED:
+            del self._before[next(iter(self._before))]
 
     def simulation(self, label: str) -> WhatIf | None:
         return self._whatif.get(label)
@@ -106,8 +129,20 @@ class Pipeline:
         # 2. Derivations; a decode engine (NIXL) takes the recompute rate of a prefill
         # engine of its model.
         derived = with_peer_recompute(
-            {t.label: derive_target(t.window, inputs.now, t.settings) for t in inputs.targets}
+            {
+                t.label: derive_target(t.window, inputs.now, t.settings, self.before(t.label))
+                for t in inputs.targets
+            }
         )
+        for label, ds in derived.items():
+            self.remember_before(
+                label,
+                {
+                    d.key: d.ttft_fit
+                    for d in ds
+                    if not d.offload_enabled and d.ttft_fit is not None and d.ttft_fit.significant
+                },
+            )
         # 3. Advice, the what-if read with the plan made from the previous recommendation.
         present: set[tuple[str, EngineKey]] = set()
         advised: dict[str, list[tuple[AdvisorInput, Advice]]] = {}

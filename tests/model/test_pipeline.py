@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 
 from exporter.model import pipeline
 from exporter.model.advisor.types import Action, Advice, AdvisorInput, MemoryState, Reason
 from exporter.model.derive.engines import DeriveSettings
+from exporter.model.derive.fits import PrefillFit
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.pipeline import CycleResult, Pipeline, forget, memory_for
 from exporter.model.whatif.engine import POLICY_COMBOS, StreamItemLike
@@ -68,10 +69,15 @@ def test_pipeline_steps_the_kv_events_before_it_derives(monkeypatch) -> None:
     seen: list[int | None] = []
     real = pipeline.derive_target
 
-    def spy(win: TargetWindow, now: float, settings: DeriveSettings):
+    def spy(
+        win: TargetWindow,
+        now: float,
+        settings: DeriveSettings,
+        before: Mapping[EngineKey, PrefillFit] | None,
+    ):
         w = pipe.simulation("t")
         seen.append(None if w is None else w.processed)
-        return real(win, now, settings)
+        return real(win, now, settings, before)
 
     monkeypatch.setattr(pipeline, "derive_target", spy)
     t = Target("t")
@@ -151,6 +157,27 @@ def test_pipeline_forgets_engines_that_disappear() -> None:
     assert list(second.derived()) == ["a"]
     ((key, advice),) = second.advice()["a"]
     assert key == EK and advice == second.targets[0].engines[0].advice
+
+
+def test_pipeline_keeps_what_an_engine_measured_with_offload_off_across_its_restart() -> None:
+    """Enabling offload restarts vLLM: the engine is gone for a few cycles and comes back with
+    offload on. The cost of a computed token it measured before stays (the offload fit needs
+    it where every request loads); only a bound on targets ever seen drops the oldest."""
+    pipe = Pipeline(confirm=3)
+    fit = PrefillFit(0.02, 300e-6, 40, 0.9, 5e-6)
+    pipe.remember_before("a", {EK: fit})
+    a = Target("a")
+    a.at(0.0, 0.0)
+    pipe.step(CycleInputs(10.0, ()))  # vLLM restarting: no target answered
+    assert pipe.before("a") == {EK: fit}
+    pipe.step(CycleInputs(20.0, (a.at(20.0, 1000.0),)))
+    assert pipe.before("a") == {EK: fit}
+    for i in range(pipeline.MAX_REMEMBERED - 1):
+        pipe.remember_before(f"t{i}", {EK: fit})
+    pipe.remember_before("a", {})  # nothing new: "a" is not refreshed
+    assert pipe.before("a") == {EK: fit}
+    pipe.remember_before("newest", {EK: fit})
+    assert pipe.before("a") == {} and pipe.before("newest") == {EK: fit}
 
 
 def test_memory_for_adds_the_measured_pool_to_buffer_ratio() -> None:

@@ -188,8 +188,13 @@ WINDOW_KEYS = (
 
 
 def derive_engine(
-    win: TargetWindow, ek: EngineKey, now: float, settings: DeriveSettings
+    win: TargetWindow,
+    ek: EngineKey,
+    now: float,
+    settings: DeriveSettings,
+    before: PrefillFit | None = None,
 ) -> EngineDerived | None:
+    """`before`: the engine's TTFT fit from a time its offload was off (offload_fit)."""
     latest: TargetSample | None = win.latest
     if latest is None or ek not in latest.engines:
         return None
@@ -235,6 +240,7 @@ def derive_engine(
                 ),
             ),
             settings.min_fit_points + 2,
+            before,
         )
         if fresh and enabled
         else None
@@ -342,10 +348,15 @@ def derive_engine(
     )
 
 
-def derive_target(win: TargetWindow, now: float, settings: DeriveSettings) -> list[EngineDerived]:
+def derive_target(
+    win: TargetWindow,
+    now: float,
+    settings: DeriveSettings,
+    before: Mapping[EngineKey, PrefillFit] | None = None,
+) -> list[EngineDerived]:
     out = []
     for ek in win.engines():
-        d = derive_engine(win, ek, now, settings)
+        d = derive_engine(win, ek, now, settings, (before or {}).get(ek))
         if d is not None:
             out.append(d)
     return out

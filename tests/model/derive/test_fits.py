@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
 import pytest
 
-from exporter.model.derive.fits import OffloadFit, prefill_fit
+from exporter.model.derive.fits import OffloadFit, PrefillFit, offload_fit, prefill_fit
 
 
 def test_prefill_fit_recovers_marginal_cost_and_fixed_overhead():
@@ -82,3 +83,57 @@ def test_reload_dearer_beyond_doubt_needs_the_two_intervals_apart() -> None:
     assert fit.reload_dearer_beyond_doubt
     assert not OffloadFit(0.0, 10e-6, 20e-6, 60, 0.9, 1e-6, 5e-6, 1e-6).reload_dearer_beyond_doubt
     assert not OffloadFit(0.0, 10e-6, 20e-6, 60, 0.9, 1e-6, None, 1e-6).reload_dearer_beyond_doubt
+
+
+def _every_request_loads(seed: int) -> list[tuple[float, ...]]:
+    """Intervals where each request loads its history (500-5000 tokens) and computes 240-360
+    new ones: TTFT = 20 ms x requests + 300 us x computed + 15 us x loaded, with noise. The
+    computed tokens follow the requests, so their cost is not identified by these alone."""
+    rng = random.Random(seed)
+    pts = []
+    for _ in range(60):
+        n = rng.randint(1, 4)
+        computed = sum(rng.randint(240, 360) for _ in range(n))
+        loaded = sum(rng.randint(500, 5000) for _ in range(n))
+        ttft = 0.020 * n + 300e-6 * computed + 15e-6 * loaded + rng.gauss(0.0, 0.08)
+        pts.append((float(n), float(computed), float(loaded), ttft))
+    return pts
+
+
+def test_a_computed_tokens_cost_from_before_offload_prices_what_the_window_cannot() -> None:
+    """Every request loads and computes a similar few hundred tokens: alone the window prices
+    a loaded token but not a computed one; with the cost measured while offload was off, the
+    saving per loaded token is identified, and its error carries both."""
+    pts = _every_request_loads(4)
+    alone = offload_fit(pts, 8)
+    assert alone is not None and alone.computed_stderr is not None
+    assert not alone.proves_gain and not alone.computed_before
+    assert alone.computed_seconds_per_token - 2 * alone.computed_stderr <= 0  # unidentified
+    before = PrefillFit(0.02, 300e-6, 40, 0.9, 5e-6)
+    fit = offload_fit(pts, 8, before)
+    assert fit is not None and fit.computed_before and fit.proves_gain
+    assert fit.computed_seconds_per_token == 300e-6 and fit.computed_stderr == 5e-6
+    assert fit.loaded_seconds_per_token == pytest.approx(15e-6, abs=3e-6)
+    assert fit.loaded_stderr is not None and fit.saving_stderr is not None
+    assert fit.saving_stderr == pytest.approx(math.hypot(5e-6, fit.loaded_stderr))
+
+
+def test_a_cost_from_before_offload_does_not_override_what_the_window_identifies() -> None:
+    """A window whose prefills vary identifies the computed token's cost itself; a cost from
+    before that is not significant, or less precise than the window's, is not used."""
+    rng = random.Random(5)
+    varied = []
+    for _ in range(60):
+        n = rng.randint(1, 4)
+        computed = sum(rng.randint(100, 3000) for _ in range(n))
+        loaded = sum(rng.randint(0, 3000) for _ in range(n))
+        ttft = 0.020 * n + 300e-6 * computed + 15e-6 * loaded + rng.gauss(0.0, 0.004)
+        varied.append((float(n), float(computed), float(loaded), ttft))
+    precise = PrefillFit(0.02, 250e-6, 40, 0.9, 1e-7)
+    fit = offload_fit(varied, 8, precise)
+    assert fit is not None and not fit.computed_before
+    assert fit.computed_seconds_per_token == pytest.approx(300e-6, rel=0.05)
+    pts = _every_request_loads(4)
+    for before in (PrefillFit(0.02, 300e-6, 40, 0.9, 200e-6), PrefillFit(0.02, 300e-6, 40, 0.9)):
+        got = offload_fit(pts, 8, before)
+        assert got is not None and not got.computed_before  # not significant: no help
