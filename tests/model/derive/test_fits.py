@@ -85,18 +85,24 @@ def test_reload_dearer_beyond_doubt_needs_the_two_intervals_apart() -> None:
     assert not OffloadFit(0.0, 10e-6, 20e-6, 60, 0.9, 1e-6, None, 1e-6).reload_dearer_beyond_doubt
 
 
-def _every_request_loads(seed: int) -> list[tuple[float, ...]]:
-    """Intervals where each request loads its history (500-5000 tokens) and computes 240-360
-    new ones: TTFT = 20 ms x requests + 300 us x computed + 15 us x loaded, with noise. The
-    computed tokens follow the requests, so their cost is not identified by these alone."""
+def _intervals(
+    seed: int,
+    computed: tuple[int, int] = (240, 360),
+    loaded: tuple[int, int] = (500, 5000),
+    noise: float = 0.08,
+) -> list[tuple[float, ...]]:
+    """60 intervals of 1-4 requests, each computing and loading tokens in these ranges:
+    TTFT = 20 ms x requests + 300 us x computed + 15 us x loaded, with noise. By default each
+    request loads its history and computes a similar few hundred new tokens: the computed
+    tokens follow the requests, so their cost is not identified by these intervals alone."""
     rng = random.Random(seed)
     pts = []
     for _ in range(60):
         n = rng.randint(1, 4)
-        computed = sum(rng.randint(240, 360) for _ in range(n))
-        loaded = sum(rng.randint(500, 5000) for _ in range(n))
-        ttft = 0.020 * n + 300e-6 * computed + 15e-6 * loaded + rng.gauss(0.0, 0.08)
-        pts.append((float(n), float(computed), float(loaded), ttft))
+        comp = sum(rng.randint(*computed) for _ in range(n))
+        load = sum(rng.randint(*loaded) for _ in range(n))
+        ttft = 0.020 * n + 300e-6 * comp + 15e-6 * load + rng.gauss(0.0, noise)
+        pts.append((float(n), float(comp), float(load), ttft))
     return pts
 
 
@@ -104,7 +110,7 @@ def test_a_computed_tokens_cost_from_before_offload_prices_what_the_window_canno
     """Every request loads and computes a similar few hundred tokens: alone the window prices
     a loaded token but not a computed one; with the cost measured while offload was off, the
     saving per loaded token is identified, and its error carries both."""
-    pts = _every_request_loads(4)
+    pts = _intervals(4)
     alone = offload_fit(pts, 8)
     assert alone is not None and alone.computed_stderr is not None
     assert not alone.proves_gain and not alone.computed_before
@@ -121,19 +127,12 @@ def test_a_computed_tokens_cost_from_before_offload_prices_what_the_window_canno
 def test_a_cost_from_before_offload_does_not_override_what_the_window_identifies() -> None:
     """A window whose prefills vary identifies the computed token's cost itself; a cost from
     before that is not significant, or less precise than the window's, is not used."""
-    rng = random.Random(5)
-    varied = []
-    for _ in range(60):
-        n = rng.randint(1, 4)
-        computed = sum(rng.randint(100, 3000) for _ in range(n))
-        loaded = sum(rng.randint(0, 3000) for _ in range(n))
-        ttft = 0.020 * n + 300e-6 * computed + 15e-6 * loaded + rng.gauss(0.0, 0.004)
-        varied.append((float(n), float(computed), float(loaded), ttft))
+    varied = _intervals(5, computed=(100, 3000), loaded=(0, 3000), noise=0.004)
     precise = PrefillFit(0.02, 250e-6, 40, 0.9, 1e-7)
     fit = offload_fit(varied, 8, precise)
     assert fit is not None and not fit.computed_before
     assert fit.computed_seconds_per_token == pytest.approx(300e-6, rel=0.05)
-    pts = _every_request_loads(4)
+    pts = _intervals(4)
     for before in (PrefillFit(0.02, 300e-6, 40, 0.9, 200e-6), PrefillFit(0.02, 300e-6, 40, 0.9)):
         got = offload_fit(pts, 8, before)
         assert got is not None and not got.computed_before  # not significant: no help
