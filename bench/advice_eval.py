@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.config import Config
-from exporter.model.derive.fits import PrefillFit
+from exporter.model.derive.engines import CostBefore
 from exporter.replay import Step, replay_one
 from exporter.vllm_metrics import EngineKey
 
@@ -211,7 +211,7 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
         return truths[base.name, on.name]
 
     out: list[RunEval] = []
-    before: dict[str, dict[EngineKey, PrefillFit]] = {}  # run without offload -> its fits
+    before: dict[str, dict[EngineKey, CostBefore]] = {}  # run without offload -> its fits
     # Runs without offload first: an offload run's replay after its base takes its fits.
     for run in sorted(runs, key=lambda r: _offload_bytes(metas[r.name]) is not None):
         own = _offload_bytes(metas[run.name])
@@ -307,7 +307,7 @@ def _after(
     own: float,
     metas: dict[str, dict[str, Any]],
     measured_at: dict[float, dict[str, Any]],
-    before: dict[str, dict[EngineKey, PrefillFit]],
+    before: dict[str, dict[EngineKey, CostBefore]],
 ) -> After | None:
     """The offload run replayed with what its run without offload measured remembered."""
     base = matrixkit.base_run(metas, run.name)

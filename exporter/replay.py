@@ -29,8 +29,7 @@ from typing import Any
 from exporter.config import Config, ConfigError, add_arguments, load_config
 from exporter.kvevents_codec import Message
 from exporter.model.advisor.types import Action, Advice
-from exporter.model.derive.engines import DeriveSettings
-from exporter.model.derive.fits import PrefillFit
+from exporter.model.derive.engines import CostBefore, DeriveSettings
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.pipeline import CycleResult, EngineResult, Pipeline
 from exporter.options import TargetConfig
@@ -89,7 +88,7 @@ class Replayed:
     first_decision: dict[tuple[str, str], float]  # (model, engine) -> t of the first settled
     # Each engine's TTFT fit with offload off at the end (what a live exporter would carry
     # into the restart that enables offload; `--prior`).
-    before: dict[EngineKey, PrefillFit]
+    before: dict[EngineKey, CostBefore]
 
 
 def _step(t: float, target: str, e: EngineResult) -> Step:
@@ -136,7 +135,7 @@ def replay_one(
     directory: Path,
     cfg: Config,
     label: str | None = None,
-    before: Mapping[EngineKey, PrefillFit] | None = None,
+    before: Mapping[EngineKey, CostBefore] | None = None,
 ) -> Replayed:
     """Replay one recording; the target is named after its directory unless `label`.
     `before`: the engines' TTFT fits with offload off from an earlier recording (Replayed.
@@ -154,7 +153,7 @@ async def _replay(
     events: Iterator[tuple[float, StreamItem]] | None,
     cfg: Config,
     label: str,
-    before: Mapping[EngineKey, PrefillFit],
+    before: Mapping[EngineKey, CostBefore],
 ) -> Replayed:
     interval = scrape_interval(scrapes)
     now = scrapes[0].t

@@ -195,7 +195,8 @@ def test_replay_after_the_run_without_offload_remembers_a_computed_tokens_cost(c
     tokens, so the recording alone cannot price a computed token and the advice waits. Replayed
     after the same engine's run without offload (`--prior`), the cost measured there is
     remembered, as a live exporter remembers it across the restart that enables offload, and
-    the advice settles on the side the two runs' measured TTFTs put it."""
+    the advice settles on the side the two runs' measured TTFTs put it; the cost of another
+    model's engine (other KV bytes per token) is not used."""
     on, off = MATRIX / "qwen3-32b-chat-cpu192k", MATRIX / "qwen3-32b-chat-none-rep"
     truth = matrixkit.paired_truth(_requests(off), _requests(on))
     alone = replay_one(on, Config())
@@ -204,8 +205,13 @@ def test_replay_after_the_run_without_offload_remembers_a_computed_tokens_cost(c
     assert alone.before == {}  # offload on all along: nothing measured with it off
 
     base = replay_one(off, Config())
-    (fit,) = base.before.values()
-    assert fit.significant
+    ((key, cost),) = base.before.items()
+    assert cost.fit.significant and cost.kv_bytes_per_token == 262_144  # the 32B shape
+    # Another model served under the same name after the restart: its cost does not carry.
+    (other,) = replay_one(MATRIX / "qwen3-8b-chat-none", Config()).before.values()
+    assert other.kv_bytes_per_token == 147_456 and other.fit.significant
+    (engine,) = replay_one(on, Config(), before={key: other}).final.targets[0].engines
+    assert engine.advice.action == Action.INSUFFICIENT_DATA
     after = replay_one(on, Config(), before=base.before)
     (engine,) = after.final.targets[0].engines
     assert engine.derived.offload_fit is not None and engine.derived.offload_fit.computed_before

@@ -23,8 +23,7 @@ from exporter.model.advisor.types import (
     TierEvidence,
     WhatIfState,
 )
-from exporter.model.derive.engines import EngineDerived, derive_target
-from exporter.model.derive.fits import PrefillFit
+from exporter.model.derive.engines import CostBefore, EngineDerived, derive_target
 from exporter.model.derive.peers import with_peer_recompute
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.whatif.engine import EngineSnapshot, WhatIf, WhatIfSettings
@@ -91,13 +90,13 @@ class Pipeline:
         self.whatif_settings = whatif or WhatIfSettings()
         self._whatif: dict[str, WhatIf] = {}
         self._recommended: dict[tuple[str, EngineKey], float | None] = {}
-        self._before: dict[str, dict[EngineKey, PrefillFit]] = {}
+        self._before: dict[str, dict[EngineKey, CostBefore]] = {}
 
-    def before(self, label: str) -> dict[EngineKey, PrefillFit]:
+    def before(self, label: str) -> dict[EngineKey, CostBefore]:
         """The TTFT fit each engine of the target last measured with offload off."""
         return dict(self._before.get(label, {}))
 
-    def remember_before(self, label: str, fits: Mapping[EngineKey, PrefillFit]) -> None:
+    def remember_before(self, label: str, fits: Mapping[EngineKey, CostBefore]) -> None:
         """Take these as the target's fits with offload off (also how a replay follows a
         recording of the same engine without offload)."""
         if not fits:
@@ -138,7 +137,7 @@ class Pipeline:
             self.remember_before(
                 label,
                 {
-                    d.key: d.ttft_fit
+                    d.key: CostBefore(d.ttft_fit, d.kv_bytes_per_token)
                     for d in ds
                     if not d.offload_enabled and d.ttft_fit is not None and d.ttft_fit.significant
                 },

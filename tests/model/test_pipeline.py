@@ -8,7 +8,7 @@ import pytest
 
 from exporter.model import pipeline
 from exporter.model.advisor.types import Action, Advice, AdvisorInput, MemoryState, Reason
-from exporter.model.derive.engines import DeriveSettings
+from exporter.model.derive.engines import CostBefore, DeriveSettings
 from exporter.model.derive.fits import PrefillFit
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.pipeline import CycleResult, Pipeline, forget, memory_for
@@ -73,7 +73,7 @@ def test_pipeline_steps_the_kv_events_before_it_derives(monkeypatch) -> None:
         win: TargetWindow,
         now: float,
         settings: DeriveSettings,
-        before: Mapping[EngineKey, PrefillFit] | None,
+        before: Mapping[EngineKey, CostBefore] | None,
     ):
         w = pipe.simulation("t")
         seen.append(None if w is None else w.processed)
@@ -164,7 +164,7 @@ def test_pipeline_keeps_what_an_engine_measured_with_offload_off_across_its_rest
     offload on. The cost of a computed token it measured before stays (the offload fit needs
     it where every request loads); only a bound on targets ever seen drops the oldest."""
     pipe = Pipeline(confirm=3)
-    fit = PrefillFit(0.02, 300e-6, 40, 0.9, 5e-6)
+    fit = CostBefore(PrefillFit(0.02, 300e-6, 40, 0.9, 5e-6), 147_456.0)
     pipe.remember_before("a", {EK: fit})
     a = Target("a")
     a.at(0.0, 0.0)

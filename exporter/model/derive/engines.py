@@ -23,6 +23,15 @@ GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
+class CostBefore:
+    """An engine's TTFT fit with offload off, and the KV bytes per token of the model it was
+    measured on: a restart that serves another model under the same name does not get it."""
+
+    fit: PrefillFit
+    kv_bytes_per_token: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class DeriveSettings:
     stale_after: float  # seconds after which the last scrape no longer counts as current
     kv_bytes_per_token: float | None = None  # operator override for the target
@@ -192,9 +201,10 @@ def derive_engine(
     ek: EngineKey,
     now: float,
     settings: DeriveSettings,
-    before: PrefillFit | None = None,
+    before: CostBefore | None = None,
 ) -> EngineDerived | None:
-    """`before`: the engine's TTFT fit from a time its offload was off (offload_fit)."""
+    """`before`: the engine's TTFT fit from a time its offload was off (offload_fit), used
+    while the engine's KV bytes per token are those it was measured with."""
     latest: TargetSample | None = win.latest
     if latest is None or ek not in latest.engines:
         return None
@@ -240,7 +250,7 @@ def derive_engine(
                 ),
             ),
             settings.min_fit_points + 2,
-            before,
+            before.fit if before is not None and before.kv_bytes_per_token == bpt else None,
         )
         if fresh and enabled
         else None
@@ -352,7 +362,7 @@ def derive_target(
     win: TargetWindow,
     now: float,
     settings: DeriveSettings,
-    before: Mapping[EngineKey, PrefillFit] | None = None,
+    before: Mapping[EngineKey, CostBefore] | None = None,
 ) -> list[EngineDerived]:
     out = []
     for ek in win.engines():
