@@ -66,12 +66,19 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
             assert e.agrees, (e.run, e.action, e.truth)
 
 
+@unmet_goal(
+    "35 of 40 (88 %) since session 7's 0.6B concurrent runs; the five that miss have no "
+    "decision (docs/gpu-acceptance.md): 8B chat with 16 and 27 GiB and 32B chat with 48 GiB "
+    "(nearly every returning prefix loads and every request computes a similar few hundred "
+    "new tokens, so no interval separates a computed token's cost from the per-request cost); "
+    "0.6B concurrent with 21 GiB (offload slowed the requests that loaded nothing too, 33 %, "
+    "which no per-token fit of the window sees); 0.6B concurrent without offload "
+    "(speedup_uncertain: a computed token costs 9 +- 15 us). The four offload runs decide, "
+    "agreeing, replayed after their run without offload (the next test)",
+)
 def test_the_agreement_goal_of_the_issue(evals) -> None:  # type: ignore[no-untyped-def]
     """Settled advice agrees with the measured truth in 90 % of at least 25 verified runs
-    (issue 16). The runs that miss are offload runs without a decision: nearly every returning
-    prefix loads and every request computes a similar few hundred new tokens (8B chat with 16
-    and 27 GiB, 32B chat with 48 GiB), so no interval of the window separates a computed
-    token's cost from the per-request cost (docs/gpu-acceptance.md)."""
+    (issue 16), each recording replayed alone."""
     s = summary(evals)
     assert s["verified"] >= 25
     assert s["agreement"] >= s["goals"]["agreement"]
@@ -79,9 +86,9 @@ def test_the_agreement_goal_of_the_issue(evals) -> None:  # type: ignore[no-unty
 
 def test_after_enabling_the_cost_measured_without_offload_only_adds_decisions(evals) -> None:  # type: ignore[no-untyped-def]
     """Each offload run replayed after its run without offload (`replay --prior`, what a
-    running exporter knows after the restart that enables offload): nothing harmful, the
-    agreement goal holds, no run loses its decision, and a run the window alone could not
-    price (a computed token's cost unidentified) gets one."""
+    running exporter knows after the restart that enables offload: a computed token's cost,
+    and what the same traffic cost the engine before): nothing harmful, the agreement goal
+    holds, no run loses its decision, and a run the window alone could not price gets one."""
     s = summary(evals)["after"]
     assert s["harmful"] == []
     assert s["verified"] >= 15 and s["agreement"] >= GOALS["agreement"]
@@ -140,7 +147,12 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
 
 
 @unmet_goal(
-    "eight of 26 miss (docs/gpu-acceptance.md): 8B concurrent at 9 and 27 GiB from both runs "
+    "12 of 30 miss (docs/gpu-acceptance.md): 0.6B concurrent at 7 and 21 GiB, predicted -0.009 "
+    "and -0.010 s/s, measured -0.15 (offload slowed the requests that loaded nothing by a third: "
+    "the what-if charges stores at their copy time); 0.6B rag-zipf at 21 GiB from its control, "
+    "predicted -0.016, measured -0.040 (the same, 16 %); 8B concurrent at 16 GiB from its "
+    "control, predicted +0.20, measured -0.023, and "
+    "8B concurrent at 9 and 27 GiB from both runs "
     "without offload, predicted +0.12 to +0.20 s/s, measured +0.004 to +0.069 (bursts: a load "
     "takes its request, and others, out of the burst's step into a later one; the wait is a "
     "whole prefill, not a fifth); 32B chat at 16 GiB from both runs without offload, predicted "

@@ -211,8 +211,30 @@ def test_replay_after_the_run_without_offload_remembers_a_computed_tokens_cost(c
     assert _judge(str(engine.advice.action), truth["verdict"], True) == (True, False)
     assert truth["verdict"] == "pays"
     assert engine.advice.action in (Action.KEEP, Action.SHRINK_BUFFER)
-    assert "measured before offload was enabled" in engine.advice.explanation
+    assert "before offload was enabled" in engine.advice.explanation
 
     assert main(["replay", str(on), "--prior", str(off), "--json"]) == 0
     (final,) = json.loads(capsys.readouterr().out)["final"]
     assert final["action"] == str(engine.advice.action)
+
+
+def test_after_enabling_a_slower_engine_is_told_to_turn_offload_off() -> None:
+    """0.6B concurrent with 21 GiB: offload slowed every request (those that loaded nothing
+    too), which no per-token fit of the window alone shows, so the recording alone waits.
+    Replayed after the same engine's run without offload, the summed TTFT of the window's
+    requests is compared with what that traffic cost the engine before: the advice turns
+    offload off, on the side the two runs' measured TTFTs put it."""
+    on, off = MATRIX / "qwen3-0.6b-concurrent-cpu192k", MATRIX / "qwen3-0.6b-concurrent-none"
+    truth = matrixkit.paired_truth(_requests(off), _requests(on))
+    (engine,) = replay_one(on, Config()).final.targets[0].engines
+    assert engine.advice.action == Action.INSUFFICIENT_DATA and engine.derived.delivered is None
+    base = replay_one(off, Config())
+    ((cost),) = base.before.values()
+    assert not cost.fit.significant  # a token's cost unidentified, the total still priced
+    assert cost.requests_per_second is not None
+    (engine,) = replay_one(on, Config(), before=base.before).final.targets[0].engines
+    dv = engine.derived.delivered
+    assert dv is not None and (dv.share(2.0) or 0.0) < 0
+    assert engine.advice.reason == "delivered_saving_immaterial"
+    assert _judge(str(engine.advice.action), truth["verdict"], True) == (True, False)
+    assert truth["verdict"] == "costs"

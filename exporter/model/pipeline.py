@@ -133,13 +133,17 @@ class Pipeline:
                 for t in inputs.targets
             }
         )
+        covered = {t.label: t.window.covered_seconds() for t in inputs.targets}
         for label, ds in derived.items():
             self.remember_before(
                 label,
                 {
-                    d.key: CostBefore(d.ttft_fit, d.kv_bytes_per_token)
+                    d.key: CostBefore(d.ttft_fit, d.kv_bytes_per_token, rate)
                     for d in ds
-                    if not d.offload_enabled and d.ttft_fit is not None and d.ttft_fit.significant
+                    if not d.offload_enabled
+                    and d.ttft_fit is not None
+                    and d.ttft_fit.stderr is not None
+                    and (rate := _request_rate(d, covered[label])) is not None
                 },
             )
         # 3. Advice, the what-if read with the plan made from the previous recommendation.
@@ -220,3 +224,9 @@ class Pipeline:
 def forget(result: CycleResult, labels: Sequence[str]) -> CycleResult:
     """The result without the named targets (a target removed from the configuration)."""
     return replace(result, targets=tuple(t for t in result.targets if t.label not in labels))
+
+
+def _request_rate(d: EngineDerived, seconds: float) -> float | None:
+    """Requests per second over the window the engine's TTFT fit was measured on."""
+    n = d.window.get("ttft_requests")
+    return n / seconds if n and seconds > 0 else None

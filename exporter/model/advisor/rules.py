@@ -22,7 +22,7 @@ from exporter.model.advisor.types import (
     TierEvidence,
     WhatIfPoint,
 )
-from exporter.model.derive.balance import OffloadBalance
+from exporter.model.derive.balance import DeliveredSaving, OffloadBalance
 from exporter.model.derive.engines import EngineDerived
 from exporter.thresholds import DEFAULT, Thresholds
 
@@ -124,6 +124,10 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         "affordable_buffer_bytes": headroom,
         "pcie_utilization_ratio": inp.pcie_utilization,
     }
+    if d.delivered is not None:
+        numbers["offload_delivered_saving_seconds"] = d.delivered.net_seconds
+        numbers["offload_delivered_saving_stderr_seconds"] = d.delivered.stderr_seconds
+        numbers["offload_delivered_saving_share"] = d.delivered.share()
     if d.balance is not None:
         numbers["offload_net_saving_seconds"] = d.balance.net_seconds
         numbers["offload_net_saving_stderr_seconds"] = d.balance.stderr_seconds
@@ -181,7 +185,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
     return _evaluate_off(inp, th, advice, headroom)
 
 
-def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the policy, read top to bottom
+def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule order is the policy, read top to bottom
     inp: AdvisorInput,
     th: Thresholds,
     advice: Callable[..., Advice],
@@ -206,8 +210,22 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
             f"--kv-offloading-size to at most {gib(rec)} or raise the limit.",
             rec,
         )
+    # What enabling delivered on this engine, against its own TTFT before: it sees every
+    # cost offload adds, so it overrules the per-token fits, both ways.
+    delivered = d.delivered
+    most = delivered.share(2.0) if delivered is not None else None
+    if delivered is not None and most is not None and most < th.ttft_saving_material:
+        return advice(
+            Action.DISABLE_OFFLOAD,
+            Reason.DELIVERED_SAVING_IMMATERIAL,
+            f"Since offload was enabled {_delivered_text(delivered)}: a saving of at most "
+            f"{pct(most)} (it pays from {pct(th.ttft_saving_material)}). The pinned memory "
+            "and the PCIe traffic buy nothing here; turn it off.",
+        )
+    least = delivered.share(-2.0) if delivered is not None else None
+    proven = least is not None and least >= th.ttft_saving_material
     ofit = d.offload_fit
-    if ofit is not None:
+    if ofit is not None and not proven:
         bounds = ofit.saving_bounds()
         costs = (
             f"a token loaded from the CPU tier costs {ofit.loaded_seconds_per_token * 1e6:.2f} us "
@@ -244,7 +262,12 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
     # Without a usable TTFT fit the copy-time speedup decides, at the upper end of its
     # interval: a point estimate below 1 from a slope that is not significant is no proof.
     upper_copy = _estimate_upper(d)
-    if (ofit is None or not ofit.valid) and upper_copy is not None and upper_copy < 1.0:
+    if (
+        not proven
+        and (ofit is None or not ofit.valid)
+        and upper_copy is not None
+        and upper_copy < 1.0
+    ):
         return advice(
             Action.DISABLE_OFFLOAD,
             Reason.RELOAD_SLOWER_THAN_RECOMPUTE,
@@ -264,12 +287,16 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
         # Too few hits to measure what a reload costs: a bigger buffer is only worth
         # suggesting when the estimate (as for enabling) clears the same margin.
         pays = (
-            ofit is not None
-            and ofit.proves_gain
-            and (ofit.measured_speedup or math.inf) >= th.transfer_speedup_min
-        ) or (
-            d.transfer_speedup_lower is not None
-            and d.transfer_speedup_lower >= th.transfer_speedup_min
+            proven
+            or (
+                ofit is not None
+                and ofit.proves_gain
+                and (ofit.measured_speedup or math.inf) >= th.transfer_speedup_min
+            )
+            or (
+                d.transfer_speedup_lower is not None
+                and d.transfer_speedup_lower >= th.transfer_speedup_min
+            )
         )
         if grow is not None and pays:
             return advice(
@@ -300,13 +327,15 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
             "are not reused, so offload costs PCIe bandwidth and pinned memory for nothing.",
         )
     bal = d.balance
-    immaterial = _balance_rule(inp, th, advice, headroom, hit) if bal is not None else None
+    immaterial = (
+        _balance_rule(inp, th, advice, headroom, hit) if bal is not None and not proven else None
+    )
     if immaterial is not None:
         return immaterial
     # A balance that saves a material share even at its lower end has measured the per-load
-    # and store costs the speedup margin stands in for.
+    # and store costs the speedup margin stands in for; so has a delivered saving.
     lower = bal.share(-2.0) if bal is not None else None
-    balance_pays = lower is not None and lower >= th.ttft_saving_material
+    balance_pays = proven or (lower is not None and lower >= th.ttft_saving_material)
     if (
         ofit is not None
         and ofit.proves_gain
@@ -330,7 +359,7 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
             f"{th.transfer_speedup_min:.1f}x that pays for the pinned memory, the PCIe traffic "
             "and the stores of every computed block. More traffic narrows it.",
         )
-    if (
+    if not proven and (
         ofit is None
         or not ofit.proves_gain
         or ((ofit.measured_speedup or math.inf) < th.transfer_speedup_min and not balance_pays)
@@ -413,13 +442,22 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912  a decision list: rule order is the 
             else "measured"
         )
         gain = f" Each loaded token saves {saving * 1e6:.2f} us of TTFT ({how})."
-    if bal is not None and (share := bal.share()) is not None:
+    if proven and delivered is not None:
+        gain = (
+            f" Since offload was enabled {_delivered_text(delivered)}: a saving of at least "
+            f"{pct(least)}."
+        )
+    elif bal is not None and (share := bal.share()) is not None:
         gain += f" Over the window {_balance_text(bal)} ({pct(share)} of TTFT)."
+    beat = (
+        f"reloads beat recomputing (speedup {d.transfer_speedup or float('nan'):.2f})"
+        if not proven
+        else "requests are faster than before it was enabled"
+    )
     return advice(
         Action.KEEP,
         Reason.PAYING_OFF,
-        f"{pct(hit)} of prompt tokens are served from the CPU tier and reloads beat "
-        f"recomputing (speedup {d.transfer_speedup or float('nan'):.2f}).{gain} Keep it.",
+        f"{pct(hit)} of prompt tokens are served from the CPU tier and {beat}.{gain} Keep it.",
     )
 
 
@@ -476,6 +514,15 @@ def _saving_share(saved: float | None, bal: OffloadBalance, seconds: float) -> f
     return saved * seconds / without
 
 
+def _delivered_text(dv: DeliveredSaving) -> str:
+    return (
+        f"this window's requests took {dv.ttft_seconds:.2f} s of summed TTFT against "
+        f"{dv.without_seconds:.2f} +- "
+        f"{2 * dv.stderr_seconds:.2f} s that the same requests and tokens cost this engine "
+        "before offload was enabled (its TTFT fit then)"
+    )
+
+
 def _balance_text(bal: OffloadBalance) -> str:
     return (
         f"the loaded tokens saved {bal.saved_seconds:.2f} s of TTFT and storing every computed "
@@ -522,6 +569,26 @@ def _upper_saving_share(inp: AdvisorInput) -> float | None:
     if any(u is None for u in uppers):
         return None
     return max(u for u in uppers if u is not None) * inp.covered_seconds / ttft
+
+
+def _immaterial_at_upper_cost(
+    inp: AdvisorInput, th: Thresholds, advice: Callable[..., Advice], numbers_share: str
+) -> Advice | None:
+    """Offload off: no_action where no simulated size saves a material share of TTFT even
+    with a computed token at the upper end of its cost's interval (the mirror of enabling
+    only at the lower end); None otherwise."""
+    upper = _upper_saving_share(inp)
+    if upper is None or upper >= th.ttft_saving_material:
+        return None
+    return advice(
+        Action.NO_ACTION,
+        Reason.PREDICTED_SAVING_IMMATERIAL,
+        f"Evicted prefixes are recomputed ({numbers_share}), but even were a computed "
+        "token to cost the upper end of its measured interval, no simulated CPU tier "
+        f"would save more than {pct(max(upper, 0.0))} of the TTFT now (it pays from "
+        f"{pct(th.ttft_saving_material)}) once the loads and the stores of every "
+        "computed block are counted: offload would not make TTFT materially better.",
+    )
 
 
 def _reuse_gap_note(inp: AdvisorInput) -> str:
@@ -578,7 +645,7 @@ def _smaller_size(inp: AdvisorInput, th: Thresholds) -> WhatIfPoint | None:
     return min(enough, key=lambda p: p.cpu_buffer_bytes) if enough else None
 
 
-def _evaluate_off(  # noqa: PLR0911  a decision list: rule order is the policy, read top to bottom
+def _evaluate_off(  # noqa: PLR0911, PLR0912  a decision list: rule order is the policy, read top to bottom
     inp: AdvisorInput, th: Thresholds, advice: Callable[..., Advice], headroom: float | None
 ) -> Advice:
     d = inp.derived
@@ -614,6 +681,11 @@ def _evaluate_off(  # noqa: PLR0911  a decision list: rule order is the policy, 
             f"(below {pct(th.recompute_share_material)}): offload would rarely hit.",
         )
     if d.transfer_speedup is None:
+        # A recompute cost too imprecise to state a speedup still bounds the saving: where
+        # even its upper end saves nothing material, leaving offload off needs no speedup.
+        immaterial = _immaterial_at_upper_cost(inp, th, advice, numbers_share)
+        if immaterial is not None:
+            return immaterial
         why = (
             "no GPU/PCIe link is visible (NVML unavailable) and no --assumed-load-bandwidth is set"
         )
@@ -645,17 +717,9 @@ def _evaluate_off(  # noqa: PLR0911  a decision list: rule order is the policy, 
     if lower is None or lower < th.transfer_speedup_min:
         # Enabling waits for the cost's lower end to clear the margin; not enabling needs the
         # mirror: the saving stays immaterial at every size even at the cost's upper end.
-        upper = _upper_saving_share(inp)
-        if upper is not None and upper < th.ttft_saving_material:
-            return advice(
-                Action.NO_ACTION,
-                Reason.PREDICTED_SAVING_IMMATERIAL,
-                f"Evicted prefixes are recomputed ({numbers_share}), but even were a computed "
-                "token to cost the upper end of its measured interval, no simulated CPU tier "
-                f"would save more than {pct(max(upper, 0.0))} of the TTFT now (it pays from "
-                f"{pct(th.ttft_saving_material)}) once the loads and the stores of every "
-                "computed block are counted: offload would not make TTFT materially better.",
-            )
+        immaterial = _immaterial_at_upper_cost(inp, th, advice, numbers_share)
+        if immaterial is not None:
+            return immaterial
         fit = d.prefill_fit
         spread = (
             f" (per-token recompute cost {fit.seconds_per_token * 1e6:.1f} +- "

@@ -41,6 +41,7 @@ class Reason(StrEnum):
     RELOAD_SLOWER_THAN_RECOMPUTE = "reload_slower_than_recompute"
     RELOAD_GAIN_TOO_SMALL = "reload_gain_too_small"
     TTFT_SAVING_IMMATERIAL = "ttft_saving_immaterial"
+    DELIVERED_SAVING_IMMATERIAL = "delivered_saving_immaterial"
     PREDICTED_SAVING_IMMATERIAL = "predicted_saving_immaterial"
     BUFFER_TOO_SMALL = "buffer_too_small"
     SPEEDUP_UNCERTAIN = "speedup_uncertain"
@@ -175,6 +176,12 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
             "the window's balance (TTFT the loaded tokens saved, minus the cost of storing "
             "every computed block) saves less than `ttft_saving_material` of TTFT even at "
             "the upper end of its interval",
+        ),
+        Reason.DELIVERED_SAVING_IMMATERIAL: ReasonInfo(
+            Action.DISABLE_OFFLOAD,
+            "since offload was enabled the summed TTFT is not `ttft_saving_material` below "
+            "what the same requests and tokens cost the engine before (its TTFT fit with "
+            "offload off), even at the upper end of that estimate",
         ),
         Reason.PREDICTED_SAVING_IMMATERIAL: ReasonInfo(
             Action.NO_ACTION,

@@ -26,12 +26,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from exporter.model.derive.fits import OffloadFit
+from exporter.model.derive.fits import OffloadFit, PrefillFit
 
 LOADED = "prompt_by_source:external_kv_transfer"
 COMPUTED = "prompt_by_source:local_compute"
 # The window sums the balance needs, over the same intervals (TargetWindow.sums).
 KEYS = (LOADED, COMPUTED, "store_seconds", "ttft_seconds")
+DELIVERED_KEYS = ("ttft_requests", LOADED, COMPUTED, "ttft_seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +76,62 @@ def offload_balance(
         stderr_seconds=fit.saving_stderr * loaded,
         ttft_seconds=ttft,
     )
+
+
+# How far (as a factor, 1 + SAME_LOAD either way) the window's request rate may stray from
+# the rate the fit before offload was measured at for the two to be compared: the fit prices
+# requests and tokens, not the queueing a busier engine adds to every request.
+SAME_LOAD = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveredSaving:
+    """What enabling offload delivered: the summed TTFT the window's requests and tokens
+    would have had by the engine's own TTFT fit from before offload was enabled (a loaded
+    token priced as the computed token it replaces), against the summed TTFT measured.
+
+    It needs no split of a request's cost into loaded, computed and per-request parts, so
+    it holds where the offload fit cannot separate them; and it sees every cost offload
+    adds, the stores and the scheduler's own work included (on the H200 the 0.6B engine's
+    requests that loaded nothing were 15-33 % slower with offload on, far beyond the store
+    copy time the balance charges). On the H200 matrix it came within 0.06 of the truth's
+    relative change on every offload run (docs/gpu-acceptance.md)."""
+
+    without_seconds: float  # the window's traffic priced by the fit from before
+    ttft_seconds: float  # measured, offload on
+    stderr_seconds: float  # of without_seconds, from the fit's covariance
+
+    @property
+    def net_seconds(self) -> float:
+        return self.without_seconds - self.ttft_seconds
+
+    def share(self, z: float = 0.0) -> float | None:
+        """TTFT saved (shifted by z standard errors) over the TTFT without offload."""
+        without = self.without_seconds + z * self.stderr_seconds
+        if without <= 0:
+            return None
+        return (without - self.ttft_seconds) / without
+
+
+def delivered_saving(
+    before: PrefillFit | None,
+    before_rate: float | None,
+    sums: Mapping[str, float] | None,
+    seconds: float,
+) -> DeliveredSaving | None:
+    """None without a fit from before with its covariance, without the window's sums, or
+    where the window's request rate is more than SAME_LOAD above or below the rate before
+    (as a factor: 1.25 times, or 1/1.25)."""
+    if before is None or sums is None or seconds <= 0 or not before_rate:
+        return None
+    requests, ttft = sums["ttft_requests"], sums["ttft_seconds"]
+    tokens = sums[LOADED] + sums[COMPUTED]
+    if requests <= 0 or ttft <= 0:
+        return None
+    ratio = requests / seconds / before_rate
+    if max(ratio, 1.0 / ratio) > 1.0 + SAME_LOAD:
+        return None
+    without, stderr = before.predict(requests, tokens)
+    if stderr is None or without <= 0:
+        return None
+    return DeliveredSaving(without, ttft, stderr)

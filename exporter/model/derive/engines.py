@@ -12,8 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from exporter.model.derive.backends import BackendDerived, backend_derived
+from exporter.model.derive.balance import (
+    DELIVERED_KEYS,
+    DeliveredSaving,
+    OffloadBalance,
+    delivered_saving,
+    offload_balance,
+)
 from exporter.model.derive.balance import KEYS as BALANCE_KEYS
-from exporter.model.derive.balance import OffloadBalance, offload_balance
 from exporter.model.derive.fits import OffloadFit, PrefillFit, offload_fit, prefill_fit
 from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
@@ -29,6 +35,7 @@ class CostBefore:
 
     fit: PrefillFit
     kv_bytes_per_token: float | None
+    requests_per_second: float | None = None  # of the window the fit was measured over
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +87,8 @@ class EngineDerived:
     backend: BackendDerived | None = None  # connector/spec/tiers and per-backend values
     balance: OffloadBalance | None = None  # offload on: the window's TTFT saved minus stores
     ttft_fit: PrefillFit | None = None  # offload off: summed TTFT on requests, computed tokens
+    # Offload on, with the engine's TTFT fit from before it was enabled: what enabling saved.
+    delivered: DeliveredSaving | None = None
     load_wait_share: float = 0.0  # of a prefill, per load beyond its copy (DeriveSettings)
 
 
@@ -203,8 +212,9 @@ def derive_engine(
     settings: DeriveSettings,
     before: CostBefore | None = None,
 ) -> EngineDerived | None:
-    """`before`: the engine's TTFT fit from a time its offload was off (offload_fit), used
-    while the engine's KV bytes per token are those it was measured with."""
+    """`before`: the engine's TTFT fit from a time its offload was off (offload_fit, and
+    what enabling delivered against it), used while the engine's KV bytes per token are
+    those it was measured with."""
     latest: TargetSample | None = win.latest
     if latest is None or ek not in latest.engines:
         return None
@@ -238,6 +248,7 @@ def derive_engine(
         else None
     )
     recompute = 1.0 / fit.seconds_per_token if fit and fit.seconds_per_token > 0 else None
+    same_model = before if before is not None and before.kv_bytes_per_token == bpt else None
     ofit = (
         offload_fit(
             win.points(
@@ -250,9 +261,19 @@ def derive_engine(
                 ),
             ),
             settings.min_fit_points + 2,
-            before.fit if before is not None and before.kv_bytes_per_token == bpt else None,
+            same_model.fit if same_model is not None else None,
         )
         if fresh and enabled
+        else None
+    )
+    delivered = (
+        delivered_saving(
+            same_model.fit,
+            same_model.requests_per_second,
+            dict(zip(DELIVERED_KEYS, got, strict=True)) if (got := sums(*DELIVERED_KEYS)) else None,
+            win.covered_seconds(),
+        )
+        if fresh and enabled and same_model is not None
         else None
     )
     # Offload off: what a computed token adds to the summed TTFT of all requests, not only to
@@ -355,6 +376,7 @@ def derive_engine(
         ),
         balance=bal,
         ttft_fit=tfit,
+        delivered=delivered,
     )
 
 

@@ -18,6 +18,22 @@ class PrefillFit:
     points: int
     r2: float
     stderr: float | None = None  # standard error of seconds_per_token
+    overhead_stderr: float | None = None
+    covariance: float | None = None  # of overhead_seconds and seconds_per_token
+
+    def predict(self, requests: float, tokens: float) -> tuple[float, float | None]:
+        """The fitted seconds of this many requests and tokens, and its standard error
+        (None without the coefficients' covariance). A total can be precise where the
+        split between the two costs is not: their errors are strongly anti-correlated."""
+        value = self.overhead_seconds * requests + self.seconds_per_token * tokens
+        if self.stderr is None or self.overhead_stderr is None or self.covariance is None:
+            return value, None
+        var = (
+            (requests * self.overhead_stderr) ** 2
+            + (tokens * self.stderr) ** 2
+            + 2 * requests * tokens * self.covariance
+        )
+        return value, math.sqrt(max(var, 0.0))
 
     @property
     def significant(self) -> bool:
@@ -259,13 +275,16 @@ def prefill_fit(points: list[tuple[float, ...]], min_points: int) -> PrefillFit 
         a, b = 0.0, _dot(tt, yy) / stt
         cov = _covariance([tt], yy, [b])
         stderr = math.sqrt(cov[0][0]) if cov is not None and cov[0][0] >= 0 else None
+        se_a, cov_ab = (0.0, 0.0) if stderr is not None else (None, None)  # a held at zero
     else:
         res = fitted.res  # of these very coefficients
         cov = _covariance(cols, yy, [a, b], fitted.unit, res)
         stderr = math.sqrt(cov[1][1]) if cov is not None and cov[1][1] >= 0 else None
+        se_a = math.sqrt(cov[0][0]) if cov is not None and cov[0][0] >= 0 else None
+        cov_ab = cov[0][1] if cov is not None else None
     # b <= 0 is kept: a per-token cost below the noise can itself be the finding, when even
     # its upper bound is below what a reload costs (derive_engine decides).
-    return PrefillFit(a, b, len(yy), _r2(cols, yy, [a, b], res), stderr)
+    return PrefillFit(a, b, len(yy), _r2(cols, yy, [a, b], res), stderr, se_a, cov_ab)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from exporter.model.advisor.types import (
     WhatIfPoint,
     WhatIfState,
 )
-from exporter.model.derive.balance import offload_balance
+from exporter.model.derive.balance import DeliveredSaving, offload_balance
 from exporter.model.derive.engines import DeriveSettings, derive_engine
 from exporter.model.derive.fits import OffloadFit, PrefillFit
 from exporter.thresholds import DEFAULT
@@ -354,6 +354,40 @@ def test_copy_speed_alone_never_proves_offload_pays():
     )
     a = evaluate(inp(base(**{**ON, "offload_fit": unsure})))
     assert a.action == Action.INSUFFICIENT_DATA and "not yet distinguishable" in a.explanation
+
+
+# --- what enabling delivered, against the engine's TTFT before (offload on) ------------------
+
+
+def test_what_enabling_delivered_overrules_the_per_token_fits_both_ways():
+    """The H200 0.6B concurrent run with 21 GiB, replayed after its run without offload: the
+    per-token fit cannot tell (a loaded token saves -20 +- 44 us) while the requests took 77.6 s
+    against 51.7 +- 3.3 s the same traffic cost before: off. The 32B chat run with 48 GiB the
+    other way: 52.4 s against 256.7 +- 18.7 s, kept where the fit alone waits."""
+    unsure = OffloadFit(
+        0.07, 5e-6, 25e-6, 120, 0.5, saving_stderr=22e-6, computed_stderr=15e-6, loaded_stderr=9e-6
+    )
+    d = base(**{**ON, "offload_fit": unsure, "transfer_speedup": 16.0})
+    assert evaluate(inp(d)).reason == "reload_benefit_unmeasured"
+    slower = DeliveredSaving(51.74, 77.63, 1.645)
+    a = evaluate(inp(replace(d, delivered=slower)))
+    assert a.action == Action.DISABLE_OFFLOAD and a.reason == "delivered_saving_immaterial"
+    assert "before offload was enabled" in a.explanation
+    assert a.numbers["offload_delivered_saving_share"] == pytest.approx(slower.share())
+    faster = DeliveredSaving(256.71, 52.36, 9.33)
+    a = evaluate(inp(replace(d, delivered=faster)))
+    assert a.action == Action.KEEP and "a saving of at least" in a.explanation
+    # Within the estimate's error of the material share: the fits decide, as without it.
+    close = DeliveredSaving(10.0, 9.6, 0.5)
+    assert evaluate(inp(replace(d, delivered=close))).reason == "reload_benefit_unmeasured"
+    # A fit that says a reload is slower than recomputing does not overrule a proven saving.
+    dear = OffloadFit(
+        0.0, 10e-6, 40e-6, 120, 0.9, saving_stderr=2e-6, computed_stderr=1e-6, loaded_stderr=1e-6
+    )
+    a = evaluate(inp(replace(d, offload_fit=dear)))
+    assert a.action == Action.DISABLE_OFFLOAD and a.reason == "reload_slower_than_recompute"
+    a = evaluate(inp(replace(d, offload_fit=dear, delivered=faster)))
+    assert a.action == Action.KEEP
 
 
 # --- the window's balance (offload on) -------------------------------------------------------

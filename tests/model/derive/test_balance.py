@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.model.derive.balance import OffloadBalance, offload_balance
-from exporter.model.derive.fits import OffloadFit
+from exporter.model.derive.balance import (
+    DELIVERED_KEYS,
+    SAME_LOAD,
+    OffloadBalance,
+    delivered_saving,
+    offload_balance,
+)
+from exporter.model.derive.fits import OffloadFit, PrefillFit
 from tests.helpers import balance_sums
 
 # 40 us a computed token, 10 us a loaded one (saving 30 +- 2 us), valid.
@@ -49,3 +55,45 @@ def test_no_balance_without_a_valid_fit_its_error_or_the_sums() -> None:
 def test_share_is_undefined_when_the_time_without_offload_would_be_negative() -> None:
     b = OffloadBalance(1.0, 1.0, 0.0, 30.0, 0.0, 10.0)
     assert b.share() is None
+
+
+# Before offload: 20 ms a request, 10 us a token, their errors anti-correlated.
+BEFORE = PrefillFit(0.020, 10e-6, 60, 0.9, 1e-6, 2e-3, -1.5e-9)
+RATE = 4.0  # requests per second when BEFORE was measured
+
+
+def delivered_sums(
+    requests: float, loaded: float, computed: float, ttft: float
+) -> dict[str, float]:
+    return dict(zip(DELIVERED_KEYS, (requests, loaded, computed, ttft), strict=True))
+
+
+def test_what_enabling_delivered_prices_the_windows_traffic_at_the_cost_before() -> None:
+    """480 requests in 120 s (the rate before), 100k tokens loaded and 300k computed: before
+    offload they would have cost 480 x 20 ms + 400k x 10 us = 13.6 s; they took 10 s."""
+    d = delivered_saving(BEFORE, RATE, delivered_sums(480, 100_000, 300_000, 10.0), 120.0)
+    assert d is not None
+    assert d.without_seconds == pytest.approx(13.6)
+    assert d.net_seconds == pytest.approx(3.6)
+    var = (480 * 2e-3) ** 2 + (400_000 * 1e-6) ** 2 + 2 * 480 * 400_000 * -1.5e-9
+    assert d.stderr_seconds == pytest.approx(var**0.5)
+    assert d.share() == pytest.approx(3.6 / 13.6)
+    hi, lo = d.share(2.0), d.share(-2.0)
+    assert hi is not None and lo is not None and lo < 3.6 / 13.6 < hi
+    # Slower than before: a negative share.
+    slower = delivered_saving(BEFORE, RATE, delivered_sums(480, 100_000, 300_000, 20.0), 120.0)
+    assert slower is not None and (slower.share() or 0.0) < 0
+
+
+def test_nothing_is_delivered_without_a_comparable_before() -> None:
+    sums = delivered_sums(480, 100_000, 300_000, 10.0)
+    assert delivered_saving(None, RATE, sums, 120.0) is None
+    assert delivered_saving(BEFORE, None, sums, 120.0) is None
+    assert delivered_saving(BEFORE, RATE, None, 120.0) is None
+    no_covariance = PrefillFit(0.020, 10e-6, 60, 0.9, 1e-6)
+    assert delivered_saving(no_covariance, RATE, sums, 120.0) is None
+    assert delivered_saving(BEFORE, RATE, delivered_sums(0, 0, 0, 0.0), 120.0) is None
+    # A busier or quieter engine queues differently: the fit before does not price it.
+    for factor in (1 + SAME_LOAD + 0.05, 1 / (1 + SAME_LOAD + 0.05)):
+        assert delivered_saving(BEFORE, RATE * factor, sums, 120.0) is None
+    assert delivered_saving(BEFORE, RATE * (1 + SAME_LOAD - 0.05), sums, 120.0) is not None

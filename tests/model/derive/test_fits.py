@@ -136,3 +136,33 @@ def test_a_cost_from_before_offload_does_not_override_what_the_window_identifies
     for before in (PrefillFit(0.02, 300e-6, 40, 0.9, 200e-6), PrefillFit(0.02, 300e-6, 40, 0.9)):
         got = offload_fit(pts, 8, before)
         assert got is not None and not got.computed_before  # not significant: no help
+
+
+def test_a_fits_prediction_of_a_total_carries_its_covariance() -> None:
+    """The TTFT a window's requests and tokens would cost, from a fit of other intervals: its
+    stated standard error covers the truth as often as a standard error should (Monte Carlo
+    over noisy windows), and is far below what the two costs' errors give without their
+    covariance where requests and tokens move together (the 0.6B engines on the H200: a
+    token's cost indistinguishable from zero, the total known to a few per cent)."""
+    rng = random.Random(7)
+    overhead, per_token, noise = 0.030, 3e-6, 0.02
+    requests, tokens = 500.0, 400_000.0  # the window priced: ~800 tokens a request
+    truth = overhead * requests + per_token * tokens
+    inside = 0
+    for _ in range(300):
+        pts = []
+        for _ in range(60):
+            n = rng.randint(2, 8)
+            t = sum(rng.randint(600, 1000) for _ in range(n))
+            pts.append((float(n), float(t), n * overhead + t * per_token + rng.gauss(0, noise)))
+        fit = prefill_fit(pts, 4)
+        assert fit is not None
+        value, stderr = fit.predict(requests, tokens)
+        assert stderr is not None and fit.stderr is not None and fit.overhead_stderr is not None
+        inside += abs(value - truth) <= 2 * stderr
+        naive = math.hypot(requests * fit.overhead_stderr, tokens * fit.stderr)
+        assert stderr < naive / 3
+    assert 0.90 <= inside / 300 <= 0.99
+    # Without the covariance nothing is claimed.
+    bare = PrefillFit(overhead, per_token, 60, 0.9, 1e-6)
+    assert bare.predict(requests, tokens) == (pytest.approx(truth), None)
