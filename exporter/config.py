@@ -181,6 +181,16 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "DIR",
     ),
     Option(
+        "state-file",
+        "str",
+        "",
+        "keep each engine's TTFT fit with offload off in FILE, read at start and rewritten "
+        "when it changes, so that the advice after the restart that enables offload can say "
+        "what enabling delivered even when the exporter restarted too (a sidecar restarts "
+        "with vLLM's pod: put FILE on a volume that outlives it; docs/advisor.md)",
+        "FILE",
+    ),
+    Option(
         "whatif-sizes",
         "bytes_list",
         [int(g * (1 << 30)) for g in (0.25, 0.5, 1, 2, 4, 8, 16)],
@@ -258,6 +268,7 @@ class Config:
     kv_events_queue: int = 10000
     record_events: str = ""
     record: str = ""
+    state_file: str = ""
     whatif_sizes: Sequence[int] = tuple(int(g * (1 << 30)) for g in (0.25, 0.5, 1, 2, 4, 8, 16))
     whatif_policy: str = "lru"
     whatif_store_threshold: int = 0

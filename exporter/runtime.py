@@ -45,9 +45,16 @@ from exporter.sources.nvml.source import NvmlSource
 from exporter.sources.procfs.parsers import PoolEstimate, url_port
 from exporter.sources.procfs.source import ProcfsSource
 from exporter.sources.vllm_http import VllmTarget
+from exporter.state import StateError
+from exporter.state import load as load_state
+from exporter.state import save as save_state
 from exporter.vllm_metrics import EngineKey
 
 log = logging.getLogger("kvoe.runtime")
+
+# The fits change every cycle while offload is off; the file needs only the latest one by the
+# time vLLM restarts, and stop() writes it last.
+STATE_SAVE_INTERVAL = 60.0
 
 
 @dataclass(slots=True)
@@ -214,6 +221,55 @@ class Exporter:
         self.cycles = 0
         self.last_cycle: float | None = None
         self.started = False
+        self.state_file = Path(cfg.state_file) if cfg.state_file else None
+        self._saved: object = None  # what the state file holds, as Pipeline.remembered()
+        self._saved_at: float | None = None
+        if self.state_file is not None:
+            self._load_state(self.state_file)
+
+    def _load_state(self, path: Path) -> None:
+        try:
+            remembered = load_state(path)
+        except StateError as exc:
+            # A bad file costs what it remembered, not the exporter: it is rewritten on the
+            # next save.
+            log_event(log, logging.ERROR, "state_load_failed", file=str(path), error=str(exc))
+            return
+        for label, fits in remembered.items():
+            self.pipeline.remember_before(label, fits)
+        self._saved = self.pipeline.remembered()
+        log_event(
+            log,
+            logging.INFO,
+            "state_loaded",
+            file=str(path),
+            engines=sum(len(f) for f in remembered.values()),
+        )
+
+    async def _save_state(self, now: float | None) -> None:
+        """Rewrite the state file if what is remembered changed, at most every
+        STATE_SAVE_INTERVAL seconds (now None: at once, on the way out)."""
+        if self.state_file is None:
+            return
+        remembered = self.pipeline.remembered()
+        if remembered == self._saved:
+            return
+        if (
+            now is not None
+            and self._saved_at is not None
+            and now - self._saved_at < (STATE_SAVE_INTERVAL)
+        ):
+            return
+        try:
+            await asyncio.to_thread(save_state, self.state_file, remembered)
+        except OSError as exc:
+            # A read-only or full volume loses the memory across restarts, nothing else.
+            log_event(
+                log, logging.ERROR, "state_save_failed", file=str(self.state_file), error=str(exc)
+            )
+        else:
+            self._saved = remembered
+        self._saved_at = now
 
     async def start(self) -> None:
         for src in self.sources:
@@ -231,6 +287,7 @@ class Exporter:
                 log.exception("source %s failed to stop", src.name)
         for writer in self.recorders.values():
             writer.close()
+        await self._save_state(None)
 
     def _record(self, now: float) -> None:
         """--record: this cycle's scrape of each target, and meta.json when it changes."""
@@ -321,6 +378,7 @@ class Exporter:
         self.exposition = Exposition(self.families())
         if self.recorders:
             await asyncio.to_thread(self._record, now)
+        await self._save_state(now)
         self.cycles += 1
         self.last_cycle = now
 

@@ -96,6 +96,11 @@ class Pipeline:
         """The TTFT fit each engine of the target last measured with offload off."""
         return dict(self._before.get(label, {}))
 
+    def remembered(self) -> dict[str, dict[EngineKey, CostBefore]]:
+        """Every target's fits with offload off, the most recently measured target last
+        (what --state-file keeps)."""
+        return {label: dict(fits) for label, fits in self._before.items()}
+
     def remember_before(self, label: str, fits: Mapping[EngineKey, CostBefore]) -> None:
         """Take these as the target's fits with offload off (also how a replay follows a
         recording of the same engine without offload)."""
