@@ -330,10 +330,19 @@ DECISION = Dashboard(
                         "times the saving per token from a fit of TTFT on computed and loaded "
                         "tokens per scrape interval, minus vLLM's store copy time charged to "
                         "every loaded and computed token. Below zero (red) offload makes "
-                        "requests slower (docs/advisor.md, the window's balance)."
+                        "requests slower (docs/advisor.md, the window's balance). \"against "
+                        "before\": the same window priced at the engine's own TTFT fit from "
+                        "before offload was enabled, every cost of offload included "
+                        "(docs/advisor.md, what enabling delivered); only after the exporter "
+                        "saw the engine without offload."
                     ),
                     queries=(
                         Query(f"kvoffload_offload_ttft_saved_seconds_per_second{{{ENGINE}}}", EL),
+                        Query(
+                            "kvoffload_offload_delivered_ttft_saved_seconds_per_second"
+                            f"{{{ENGINE}}}",
+                            f"{EL} against before",
+                        ),
                     ),
                     steps=low_is_bad(LOCAL_STEPS["no_saving"]),
                     threshold_lines=True,

@@ -50,6 +50,7 @@ def derived_families(
     fit_points = Family("kvoffload_prefill_fit_points")
     saving = Family("kvoffload_offload_saving_seconds_per_token")
     saved_rate = Family("kvoffload_offload_ttft_saved_seconds_per_second")
+    delivered = Family("kvoffload_offload_delivered_ttft_saved_seconds_per_second")
     for target, engines in per_target:
         span = (covered or {}).get(target, 0.0)
         for d in engines:
@@ -71,10 +72,7 @@ def derived_families(
             if d.prefill_fit is not None:
                 overhead.add(labels, d.prefill_fit.overhead_seconds)
             fit_points.add(labels, d.prefill_fit.points if d.prefill_fit else 0)
-            if d.offload_fit is not None:
-                saving.add(labels, d.offload_fit.saving_seconds_per_token)
-            if d.balance is not None and span > 0:
-                saved_rate.add(labels, d.balance.net_seconds / span)
+            _offload_savings(d, labels, span, saving, saved_rate, delivered)
     return [
         enabled,
         *gauges.values(),
@@ -85,4 +83,25 @@ def derived_families(
         fit_points,
         saving,
         saved_rate,
+        delivered,
     ]
+
+
+def _offload_savings(
+    d: EngineDerived,
+    labels: list[str],
+    span: float,
+    saving: Family,
+    saved_rate: Family,
+    delivered: Family,
+) -> None:
+    """The measured saving per loaded token, and the window's net TTFT seconds as a rate:
+    the balance, and against the engine's TTFT before offload."""
+    if d.offload_fit is not None:
+        saving.add(labels, d.offload_fit.saving_seconds_per_token)
+    if span <= 0:
+        return
+    if d.balance is not None:
+        saved_rate.add(labels, d.balance.net_seconds / span)
+    if d.delivered is not None:
+        delivered.add(labels, d.delivered.net_seconds / span)

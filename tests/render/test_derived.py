@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from exporter.model.derive.balance import offload_balance
+from exporter.model.derive.balance import DeliveredSaving, offload_balance
 from exporter.model.derive.fits import OffloadFit, PrefillFit
 from exporter.render.derived import _DERIVED_COUNTERS, _DERIVED_GAUGES, derived_families
 from exporter.vllm_metrics import EngineKey
@@ -95,6 +95,18 @@ def test_ttft_saved_is_the_balance_per_covered_second() -> None:
     assert len(by_name(derived_families([("t", [d])], covered={"t": 0.0}))[name]) == 0
     no_balance = replace(d, balance=None)
     assert len(by_name(derived_families([("t", [no_balance])], covered={"t": 60.0}))[name]) == 0
+
+
+def test_what_enabling_delivered_is_its_net_seconds_per_covered_second() -> None:
+    """The same window priced at the engine's TTFT fit from before offload (51.7 s) against
+    the 77.6 s measured: offload made requests slower, a negative rate."""
+    d = base(offload_enabled=True, delivered=DeliveredSaving(51.74, 77.63, 1.6))
+    name = "kvoffload_offload_delivered_ttft_saved_seconds_per_second"
+    (rate,) = series(by_name(derived_families([("t", [d])], covered={"t": 120.0}))[name]).values()
+    assert rate == pytest.approx((51.74 - 77.63) / 120.0)
+    assert len(by_name(derived_families([("t", [d])], covered={"t": 0.0}))[name]) == 0
+    nothing_before = replace(d, delivered=None)
+    assert len(by_name(derived_families([("t", [nothing_before])], covered={"t": 60.0}))[name]) == 0
 
 
 def test_engines_of_several_targets_are_told_apart() -> None:
