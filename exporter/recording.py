@@ -9,7 +9,7 @@ A recording is a directory:
   integers (the format of `--record-events`);
 - `meta.json` (optional): what a live exporter learns from /proc and NVML,
   `{"vllm_argv": [...], "link_bandwidth_bytes_per_second": <float>,
-  "kv_bytes_per_token": <int>}`; other keys are kept and ignored.
+  "kv_bytes_per_token": <int>, "machine": "<GPU UUIDs>"}`; other keys are kept and ignored.
 
 `kv-offload-exporter --record DIR` writes it (one subdirectory per target), and
 `kv-offload-exporter replay DIR` reads it (exporter/replay.py).
@@ -48,6 +48,7 @@ class Meta:
     vllm_argv: tuple[str, ...] | None = None
     link_bandwidth: float | None = None  # bytes/s, theoretical host link
     kv_bytes_per_token: float | None = None
+    machine: str | None = None  # the GPUs' NVML UUIDs (the GPU kit's meta: gpu.uuid)
     other: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -83,13 +84,24 @@ def read_meta(directory: Path) -> Meta:
     argv = doc.get("vllm_argv")
     if argv is not None and not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
         raise RecordingError(f"{path}: vllm_argv must be a list of strings")
-    known = ("vllm_argv", "link_bandwidth_bytes_per_second", "kv_bytes_per_token")
+    known = ("vllm_argv", "link_bandwidth_bytes_per_second", "kv_bytes_per_token", "machine")
     return Meta(
         vllm_argv=tuple(argv) if argv is not None else None,
         link_bandwidth=_positive(doc.get("link_bandwidth_bytes_per_second")),
         kv_bytes_per_token=_positive(doc.get("kv_bytes_per_token")),
+        machine=_machine(doc),
         other={k: v for k, v in doc.items() if k not in known},
     )
+
+
+def _machine(doc: Mapping[str, Any]) -> str | None:
+    """`machine` as --record writes it, else the GPU kit's `gpu.uuid` (bench/gpu)."""
+    machine = doc.get("machine")
+    if isinstance(machine, str) and machine:
+        return machine
+    gpu = doc.get("gpu")
+    uuid = gpu.get("uuid") if isinstance(gpu, dict) else None
+    return uuid if isinstance(uuid, str) and uuid else None
 
 
 def read_scrapes(directory: Path) -> list[Scrape]:

@@ -191,6 +191,7 @@ async def _replay(
         assumed_load_bandwidth=float(cfg.assumed_load_bandwidth) or None,
         link_bandwidth=meta.link_bandwidth,
         launch=launch_config(meta.vllm_argv) if meta.vllm_argv else None,
+        machine=meta.machine,
     )
     pending = next(events, None) if events is not None else None
     timeline: list[Step] = []

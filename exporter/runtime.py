@@ -307,6 +307,7 @@ class Exporter:
                 "vllm_argv": list(procfs.argv) if procfs is not None and procfs.argv else None,
                 "link_bandwidth_bytes_per_second": reading.link_bandwidth if reading else None,
                 "kv_bytes_per_token": per_token,
+                "machine": reading.machine if reading else None,
                 "vllm_version": snap.version,
                 "exporter_version": __version__,
             }
@@ -354,6 +355,7 @@ class Exporter:
                 assumed_load_bandwidth=float(cfg.assumed_load_bandwidth) or None,
                 link_bandwidth=link,
                 launch=procfs.launch if procfs is not None else None,
+                machine=reading.machine if reading is not None else None,
             )
             rows.append(
                 TargetInputs(

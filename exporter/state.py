@@ -7,6 +7,7 @@ with its memory. The file carries it across:
 
     {"version": 1, "targets": {"<target label>": [{"model_name": ..., "engine": ...,
       "kv_bytes_per_token": <float or null>, "requests_per_second": <float or null>,
+      "machine": <NVML GPU UUIDs or null>,
       "fit": {"overhead_seconds", "seconds_per_token", "points", "r2", "stderr",
               "overhead_stderr", "covariance"}}, ...]}}
 
@@ -54,6 +55,7 @@ def dump(remembered: Remembered) -> str:
                 "engine": key.engine,
                 "kv_bytes_per_token": cost.kv_bytes_per_token,
                 "requests_per_second": cost.requests_per_second,
+                "machine": cost.machine,
                 "fit": {name: getattr(cost.fit, name) for name in _FIT_FIELDS},
             }
             for key, cost in engines.items()
@@ -113,10 +115,14 @@ def parse(text: str) -> dict[str, dict[EngineKey, CostBefore]]:
             model, engine = entry.get("model_name"), entry.get("engine")
             if not isinstance(model, str) or not isinstance(engine, str):
                 raise StateError(f"{where}: model_name and engine must be strings")
+            machine = entry.get("machine")
+            if machine is not None and not isinstance(machine, str):
+                raise StateError(f"{where}: machine must be a string")
             fits[EngineKey(model, engine)] = CostBefore(
                 _fit(entry.get("fit"), where),
                 _number(entry.get("kv_bytes_per_token"), f"{where}.kv_bytes_per_token"),
                 _number(entry.get("requests_per_second"), f"{where}.requests_per_second"),
+                machine,
             )
         out[label] = fits
     return out

@@ -38,14 +38,22 @@ def test_writer_round_trip_keeps_failed_scrapes_and_meta(tmp_path: Path) -> None
     w = Writer(tmp_path / "rec")
     w.write_scrape(10.0, b"# body one\n")
     w.write_scrape(11.0, None, "GET http://x/metrics: HTTP 500")
-    w.write_meta({"kv_bytes_per_token": 114688, "vllm_argv": ["vllm", "serve", "m"]})
+    w.write_meta(
+        {"kv_bytes_per_token": 114688, "vllm_argv": ["vllm", "serve", "m"], "machine": "GPU-a"}
+    )
     w.close()
     got = read_scrapes(tmp_path / "rec")
     assert [(s.t, s.body, s.error) for s in got] == [
         (10.0, "# body one\n", None),
         (11.0, None, "GET http://x/metrics: HTTP 500"),
     ]
-    assert read_meta(tmp_path / "rec") == Meta(("vllm", "serve", "m"), None, 114688.0, {})
+    assert read_meta(tmp_path / "rec") == Meta(
+        ("vllm", "serve", "m"), None, 114688.0, machine="GPU-a", other={}
+    )
+    # The GPU kit's recordings name the machine by the GPU's UUID (bench/gpu meta.json).
+    (tmp_path / "kit").mkdir()
+    (tmp_path / "kit" / "meta.json").write_text('{"gpu": {"uuid": "GPU-3d59"}}')
+    assert read_meta(tmp_path / "kit").machine == "GPU-3d59"
     assert scrape_interval(got) == 1.0
     assert list(read_kv_events(tmp_path / "rec")) == []
 

@@ -238,3 +238,23 @@ def test_after_enabling_a_slower_engine_is_told_to_turn_offload_off() -> None:
     assert engine.advice.reason == "delivered_saving_immaterial"
     assert _judge(str(engine.advice.action), truth["verdict"], True) == (True, False)
     assert truth["verdict"] == "costs"
+
+
+def test_a_fit_from_another_machine_is_not_compared() -> None:
+    """8B concurrent: its control without offload ran on session 7's machine, the 9 GiB run on
+    session 6's, whose run without offload of the same sequence was 7.6 % faster. A pod that
+    enabled offload and came back on another node would compare across that drift; the GPU
+    UUIDs in meta.json (NVML's, live) tell the machines apart, and the fit from the other
+    one is not used, neither for what enabling delivered nor for a computed token's cost."""
+    on, ctl = MATRIX / "qwen3-8b-concurrent-cpu64k", MATRIX / "qwen3-8b-concurrent-none-ctl"
+    assert read_meta(on).machine != read_meta(ctl).machine is not None
+    before = replay_one(ctl, Config()).before
+    ((key, cost),) = before.items()
+    assert cost.machine == read_meta(ctl).machine
+    (engine,) = replay_one(on, Config(), before=before).final.targets[0].engines
+    assert engine.derived.delivered is None
+    assert engine.derived.offload_fit is None or not engine.derived.offload_fit.computed_before
+    # The same fit with no machine known (no NVML then) is compared, as before this guard.
+    anywhere = {key: replace(cost, machine=None)}
+    (engine,) = replay_one(on, Config(), before=anywhere).final.targets[0].engines
+    assert engine.derived.delivered is not None

@@ -18,7 +18,9 @@ from exporter.vllm_metrics import EngineKey
 
 EK = EngineKey("qwen3-8b", "0")
 # The 8B chat engine of the H200 matrix without offload, in round numbers.
-CHAT = CostBefore(PrefillFit(0.0284, 21.5e-6, 120, 0.93, 0.65e-6, 1.1e-3, -5e-10), 147_456.0, 2.9)
+CHAT = CostBefore(
+    PrefillFit(0.0284, 21.5e-6, 120, 0.93, 0.65e-6, 1.1e-3, -5e-10), 147_456.0, 2.9, "GPU-1,GPU-2"
+)
 # A fit without its covariance and a model whose KV size was not known.
 BARE = CostBefore(PrefillFit(0.05, 3e-6, 40, 0.5), None, None)
 
@@ -65,6 +67,10 @@ def test_a_fit_must_be_finite_numbers() -> None:
     doc = json.loads(dump({"a": {EK: CHAT}}))
     doc["targets"]["a"][0]["requests_per_second"] = True
     with pytest.raises(StateError, match="requests_per_second"):
+        parse(json.dumps(doc))
+    doc = json.loads(dump({"a": {EK: CHAT}}))
+    doc["targets"]["a"][0]["machine"] = 7
+    with pytest.raises(StateError, match="machine must be a string"):
         parse(json.dumps(doc))
 
 

@@ -139,11 +139,12 @@ class Pipeline:
             }
         )
         covered = {t.label: t.window.covered_seconds() for t in inputs.targets}
+        machine = {t.label: t.settings.machine for t in inputs.targets}
         for label, ds in derived.items():
             self.remember_before(
                 label,
                 {
-                    d.key: CostBefore(d.ttft_fit, d.kv_bytes_per_token, rate)
+                    d.key: CostBefore(d.ttft_fit, d.kv_bytes_per_token, rate, machine[label])
                     for d in ds
                     if not d.offload_enabled
                     and d.ttft_fit is not None

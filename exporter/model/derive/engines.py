@@ -36,6 +36,7 @@ class CostBefore:
     fit: PrefillFit
     kv_bytes_per_token: float | None
     requests_per_second: float | None = None  # of the window the fit was measured over
+    machine: str | None = None  # DeriveSettings.machine when it was measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,10 @@ class DeriveSettings:
     load_wait_share: float = 0.2
     min_fit_points: int = 4
     launch: LaunchConfig | None = None  # the target's vLLM command line, when readable
+    # Which machine the engine runs on (NVML's GPU UUIDs): a fit from before offload is
+    # compared only on the machine it was measured on. The same sequence ran 24-28 % slower
+    # on one H200 VM than on another (docs/gpu-acceptance.md, drift), more than most savings.
+    machine: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +210,14 @@ WINDOW_KEYS = (
 )
 
 
+def _comparable(before: CostBefore | None, bpt: float | None, machine: str | None) -> bool:
+    """The fit from before describes this engine: the same model (KV bytes per token) and,
+    where both are known, the same machine."""
+    if before is None or before.kv_bytes_per_token != bpt:
+        return False
+    return before.machine is None or machine is None or before.machine == machine
+
+
 def derive_engine(
     win: TargetWindow,
     ek: EngineKey,
@@ -213,8 +226,8 @@ def derive_engine(
     before: CostBefore | None = None,
 ) -> EngineDerived | None:
     """`before`: the engine's TTFT fit from a time its offload was off (offload_fit, and
-    what enabling delivered against it), used while the engine's KV bytes per token are
-    those it was measured with."""
+    what enabling delivered against it), used while the engine's KV bytes per token and
+    machine are those it was measured on."""
     latest: TargetSample | None = win.latest
     if latest is None or ek not in latest.engines:
         return None
@@ -248,7 +261,7 @@ def derive_engine(
         else None
     )
     recompute = 1.0 / fit.seconds_per_token if fit and fit.seconds_per_token > 0 else None
-    same_model = before if before is not None and before.kv_bytes_per_token == bpt else None
+    same_model = before if _comparable(before, bpt, settings.machine) else None
     ofit = (
         offload_fit(
             win.points(

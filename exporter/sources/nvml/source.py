@@ -54,6 +54,12 @@ class NvmlReading:
         return min(values) if values else None
 
     @property
+    def machine(self) -> str | None:
+        """The GPUs seen, by UUID: which machine this is (a sidecar sees its node's GPUs)."""
+        uuids = sorted({g.identity.uuid for g in self.snapshot.gpus})
+        return ",".join(uuids) if uuids else None
+
+    @property
     def pcie_utilization(self) -> float | None:
         """Busiest direction of the busiest GPU over the last collection interval."""
         values = [v for r in self.utilization.values() for v in (r.tx, r.rx) if v is not None]

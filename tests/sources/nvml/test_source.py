@@ -130,6 +130,7 @@ async def test_reading_from_recorded_h200():
     assert rate.tx == pytest.approx(expected_tx) and rate.rx == pytest.approx(expected_rx)
     assert reading.pcie_utilization == pytest.approx(max(expected_tx, expected_rx))
     assert reading.link_bandwidth == pytest.approx(63.015e9, rel=1e-4)
+    assert reading.machine == UUID  # the GPUs seen tell one machine from another
     with pytest.raises(TypeError):
         reading.utilization[UUID] = rate  # type: ignore[index]  # frozen
 
