@@ -20,7 +20,7 @@ from exporter.catalogue import Family
 from exporter.config import Config
 from exporter.logs import log_event
 from exporter.model.advisor.types import Advice, AdvisorInput, MemoryState
-from exporter.model.derive.engines import DeriveSettings, EngineDerived
+from exporter.model.derive.engines import CostBefore, DeriveSettings, EngineDerived
 from exporter.model.history import History, cycle_points
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.pipeline import CycleResult, Pipeline
@@ -222,12 +222,17 @@ class Exporter:
         self.last_cycle: float | None = None
         self.started = False
         self.state_file = Path(cfg.state_file) if cfg.state_file else None
-        self._saved: object = None  # what the state file holds, as Pipeline.remembered()
+        # What the state file holds, as Pipeline.remembered(); None: not known to hold anything.
+        self._saved: dict[str, dict[EngineKey, CostBefore]] | None = None
         self._saved_at: float | None = None
         if self.state_file is not None:
             self._load_state(self.state_file)
 
     def _load_state(self, path: Path) -> None:
+        if not path.exists():
+            # The first cycle writes it: a volume that cannot take it shows at once.
+            log_event(log, logging.INFO, "state_file_new", file=str(path))
+            return
         try:
             remembered = load_state(path)
         except StateError as exc:
@@ -257,7 +262,7 @@ class Exporter:
         if (
             now is not None
             and self._saved_at is not None
-            and now - self._saved_at < (STATE_SAVE_INTERVAL)
+            and now - self._saved_at < STATE_SAVE_INTERVAL
         ):
             return
         try:

@@ -8,7 +8,10 @@
 - cgroup: tests/fixtures/cgroup/v2; /dev/shm: the run's df;
 - NVML: the recorded H200 readings of tests/nvml_doubles.py (no GPU here);
 - the clock: each scrape's recorded time; durations read as 0 (they are the one value
-  that differs between two runs of the same input).
+  that differs between two runs of the same input);
+- --state-file: tests/fixtures/e2e/state.json (tests/fixtures/e2e/make_state.py: the TTFT
+  fit of large-a, the same engine and traffic without offload), copied to a temporary
+  folder, so the e2e engine's advice after enabling compares with what it cost before.
 
 `./run gen` rewrites tests/fixtures/e2e/expected.prom; tests/test_golden.py compares it
 exactly. A change to it is reviewed like code.
@@ -22,6 +25,8 @@ import json
 import lzma
 import os
 import platform
+import shutil
+import tempfile
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -110,6 +115,8 @@ async def golden_exposition() -> str:
     clock = FakeClock(scrapes[0]["t"])
     monotonic = FakeClock()
     tc = TargetConfig(url="http://127.0.0.1:8000", name="e2e", pid=2614, kv_bytes_per_token=262144)
+    state = Path(tempfile.mkdtemp(prefix="kvoe-golden-")) / "state.json"
+    shutil.copyfile(E2E / "state.json", state)
     extra_configs = tuple(
         TargetConfig(url=f"http://{name}:8000", name=name) for name, _, _ in EXTRA_TARGETS
     )
@@ -123,6 +130,7 @@ async def golden_exposition() -> str:
         # The run is 40 s long: the advisor decides after 15 s instead of the default 120.
         thresholds=replace(DEFAULT, min_window_seconds=15),
         whatif_sizes=tuple(int(g * (1 << 30)) for g in (0.125, 0.25, 0.5, 1, 2, 4)),
+        state_file=str(state),
     )
     target = VllmTarget(
         tc,
@@ -186,6 +194,7 @@ async def golden_exposition() -> str:
         await exporter.run_cycle()
     for t in (target, *others):
         await t.stop()
+    shutil.rmtree(state.parent, ignore_errors=True)
     return normalised(exporter.exposition.text.decode())
 
 

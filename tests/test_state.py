@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ from exporter.model.derive.fits import PrefillFit
 from exporter.runtime import STATE_SAVE_INTERVAL, Exporter
 from exporter.state import StateError, dump, load, parse, save
 from exporter.vllm_metrics import EngineKey
+from testbed.procs import free_port, start, stop
+from tests.faults.common import wait_until
 
 EK = EngineKey("qwen3-8b", "0")
 # The 8B chat engine of the H200 matrix without offload, in round numbers.
@@ -119,3 +123,39 @@ async def test_a_bad_or_unwritable_state_file_costs_the_memory_not_the_exporter(
         await gone._save_state(0.0)
         await gone.stop()  # tried again on the way out, still no crash
     assert caplog.text.count("state_save_failed") == 2
+
+
+def test_the_served_exporter_keeps_the_file_through_sigterm(tmp_path: Path) -> None:
+    """`python -m exporter` with KVOE_STATE_FILE (as docs/deploy.md sets it): a first start
+    writes the file at its first cycle (an unwritable volume shows at once); the next start
+    loads what the file holds, and SIGTERM leaves the file whole."""
+    path = tmp_path / "kvoe" / "state.json"
+    path.parent.mkdir()
+    env = {**os.environ, "KVOE_STATE_FILE": str(path)}
+    port = free_port()
+    cmd = [sys.executable, "-m", "exporter", "--listen", f"127.0.0.1:{port}", "--interval", "0.2"]
+    cmd += ["--vllm-url", "http://127.0.0.1:9", "--no-nvml", "--no-procfs", "--no-cgroup"]
+    cmd += ["--no-kv-events", "--log-format", "json"]
+    first = start(cmd, tmp_path / "first.log", env=env)
+    try:
+        wait_until("state file written", path.exists, timeout=60)
+    finally:
+        stop(first)
+    assert first.returncode == 0, (tmp_path / "first.log").read_text()
+    assert load(path) == {}
+    save(path, {"vllm:8000": {EK: CHAT}})
+    second = start(cmd, tmp_path / "second.log", env=env)
+    try:
+        wait_until(
+            "state loaded", lambda: "state_loaded" in (tmp_path / "second.log").read_text(), 60
+        )
+    finally:
+        stop(second)
+    assert second.returncode == 0
+    loaded = next(
+        json.loads(line)
+        for line in (tmp_path / "second.log").read_text().splitlines()
+        if '"state_loaded"' in line
+    )
+    assert loaded["engines"] == 1
+    assert load(path) == {"vllm:8000": {EK: CHAT}}

@@ -215,12 +215,25 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
     delivered = d.delivered
     most = delivered.share(2.0) if delivered is not None else None
     if delivered is not None and most is not None and most < th.ttft_saving_material:
+        at_size = f"Since offload was enabled {_delivered_text(delivered)}: a saving of at most "
+        # As with the balance: too small a buffer is not a tier that cannot pay.
+        bigger = _grow_that_pays(inp, th, headroom, delivered.without_seconds)
+        if bigger is not None:
+            point, larger_share = bigger
+            return advice(
+                Action.GROW_BUFFER,
+                Reason.BUFFER_TOO_SMALL,
+                f"{at_size}{pct(most)} at the configured {gib(d.offload_buffer_bytes)}; the "
+                f"what-if replay of this traffic reaches {pct(point.hit_ratio)} with "
+                f"{gib(point.cpu_buffer_bytes)} (fits the memory headroom), saving at least "
+                f"{pct(larger_share)} of TTFT." + _reuse_gap_note(inp),
+                point.cpu_buffer_bytes,
+            )
         return advice(
             Action.DISABLE_OFFLOAD,
             Reason.DELIVERED_SAVING_IMMATERIAL,
-            f"Since offload was enabled {_delivered_text(delivered)}: a saving of at most "
-            f"{pct(most)} (it pays from {pct(th.ttft_saving_material)}). The pinned memory "
-            "and the PCIe traffic buy nothing here; turn it off.",
+            f"{at_size}{pct(most)} (it pays from {pct(th.ttft_saving_material)}). The pinned "
+            "memory and the PCIe traffic buy nothing here; turn it off.",
         )
     least = delivered.share(-2.0) if delivered is not None else None
     proven = least is not None and least >= th.ttft_saving_material
@@ -476,16 +489,10 @@ def _balance_rule(
     upper = bal.share(2.0)
     if upper is not None and upper < th.ttft_saving_material:
         # Too small a buffer saves too little; a larger one the what-if says would pay is
-        # the answer then, not turning the tier off. More pinned memory needs the saving at
-        # the lower end of a loaded token's measured saving: at its point estimate the 8B
-        # chat engine with 9 GiB swung between grow and disable every few cycles.
-        grow = _bigger_size(inp, th, headroom)
-        grow_share = (
-            _saving_share(grow.ttft_saved_lower_seconds_per_second, bal, inp.covered_seconds)
-            if grow
-            else None
-        )
-        if grow is not None and grow_share is not None and grow_share >= th.ttft_saving_material:
+        # the answer then, not turning the tier off.
+        grown = _grow_that_pays(inp, th, headroom, bal.ttft_seconds + bal.net_seconds)
+        if grown is not None:
+            grow, grow_share = grown
             return advice(
                 Action.GROW_BUFFER,
                 Reason.BUFFER_TOO_SMALL,
@@ -506,12 +513,20 @@ def _balance_rule(
     return None
 
 
-def _saving_share(saved: float | None, bal: OffloadBalance, seconds: float) -> float | None:
-    """A what-if saving (s/s) at a size as a share of the TTFT without offload."""
-    without = bal.ttft_seconds + bal.net_seconds
-    if saved is None or without <= 0 or seconds <= 0:
+def _grow_that_pays(
+    inp: AdvisorInput, th: Thresholds, headroom: float | None, without: float
+) -> tuple[WhatIfPoint, float] | None:
+    """The larger buffer that fits and that the what-if predicts to save a material share of
+    `without` (the window's TTFT without offload) even with a loaded token saving the lower
+    end of its measured interval, with that share; None otherwise. More pinned memory needs
+    the lower end: at the point estimate the 8B chat engine with 9 GiB swung between grow
+    and disable every few cycles."""
+    grow = _bigger_size(inp, th, headroom)
+    saved = grow.ttft_saved_lower_seconds_per_second if grow is not None else None
+    if grow is None or saved is None or without <= 0 or inp.covered_seconds <= 0:
         return None
-    return saved * seconds / without
+    share = saved * inp.covered_seconds / without
+    return (grow, share) if share >= th.ttft_saving_material else None
 
 
 def _delivered_text(dv: DeliveredSaving) -> str:

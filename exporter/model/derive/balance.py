@@ -93,7 +93,7 @@ class DeliveredSaving:
     It needs no split of a request's cost into loaded, computed and per-request parts, so
     it holds where the offload fit cannot separate them; and it sees every cost offload
     adds, the stores and the scheduler's own work included (on the H200 the 0.6B engine's
-    requests that loaded nothing were 15-33 % slower with offload on, far beyond the store
+    requests that loaded nothing were 4-38 % slower with offload on, far beyond the store
     copy time the balance charges). On the H200 matrix it came within 0.06 of the truth's
     relative change on every offload run (docs/gpu-acceptance.md)."""
 

@@ -261,7 +261,7 @@ def derive_engine(
         else None
     )
     recompute = 1.0 / fit.seconds_per_token if fit and fit.seconds_per_token > 0 else None
-    same_model = before if _comparable(before, bpt, settings.machine) else None
+    comparable = before if _comparable(before, bpt, settings.machine) else None
     ofit = (
         offload_fit(
             win.points(
@@ -274,19 +274,19 @@ def derive_engine(
                 ),
             ),
             settings.min_fit_points + 2,
-            same_model.fit if same_model is not None else None,
+            comparable.fit if comparable is not None else None,
         )
         if fresh and enabled
         else None
     )
     delivered = (
         delivered_saving(
-            same_model.fit,
-            same_model.requests_per_second,
+            comparable.fit,
+            comparable.requests_per_second,
             dict(zip(DELIVERED_KEYS, got, strict=True)) if (got := sums(*DELIVERED_KEYS)) else None,
             win.covered_seconds(),
         )
-        if fresh and enabled and same_model is not None
+        if fresh and enabled and comparable is not None
         else None
     )
     # Offload off: what a computed token adds to the summed TTFT of all requests, not only to

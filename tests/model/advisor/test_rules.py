@@ -390,6 +390,25 @@ def test_what_enabling_delivered_overrules_the_per_token_fits_both_ways():
     assert a.action == Action.KEEP
 
 
+def test_a_buffer_that_delivered_too_little_grows_where_a_larger_one_is_predicted_to_pay():
+    """As with the balance: the configured size delivered nothing material, but the what-if
+    predicts a larger buffer that fits to save a material share even at the lower end of a
+    loaded token's saving (the golden exposition's 32B engine with 1.14 GiB)."""
+    d = base(**{**ON, "offload_fit": CHAT_FIT, "transfer_speedup": 3.5})
+    d = replace(d, delivered=DeliveredSaving(51.74, 51.5, 0.2))  # at most 1.2 %
+    big = (
+        WhatIfPoint(0.5 * GIB, 0.17, -0.001, None, -0.004),
+        WhatIfPoint(4 * GIB, 0.60, 0.05, None, 0.03),  # 9 s of 51.7 at the lower end
+    )
+    a = evaluate(inp(d, whatif=WhatIfState(big, 0.0, 0.17)))
+    assert a.action == Action.GROW_BUFFER and a.recommended_buffer_bytes == 4 * GIB
+    assert "before offload was enabled" in a.explanation and "saving at least" in a.explanation
+    # Not at the lower end: off.
+    unsure = (big[0], WhatIfPoint(4 * GIB, 0.60, 0.05, None, -0.01))
+    a = evaluate(inp(d, whatif=WhatIfState(unsure, 0.0, 0.17)))
+    assert a.action == Action.DISABLE_OFFLOAD and a.reason == "delivered_saving_immaterial"
+
+
 # --- the window's balance (offload on) -------------------------------------------------------
 
 # The 8B chat run of the matrix, in round numbers: a loaded token saves 7.8 +- 4.4 us, 218k
