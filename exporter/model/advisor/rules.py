@@ -219,15 +219,11 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
         # As with the balance: too small a buffer is not a tier that cannot pay.
         bigger = _grow_that_pays(inp, th, headroom, delivered.without_seconds)
         if bigger is not None:
-            point, larger_share = bigger
-            return advice(
-                Action.GROW_BUFFER,
-                Reason.BUFFER_TOO_SMALL,
-                f"{at_size}{pct(most)} at the configured {gib(d.offload_buffer_bytes)}; the "
-                f"what-if replay of this traffic reaches {pct(point.hit_ratio)} with "
-                f"{gib(point.cpu_buffer_bytes)} (fits the memory headroom), saving at least "
-                f"{pct(larger_share)} of TTFT." + _reuse_gap_note(inp),
-                point.cpu_buffer_bytes,
+            return _grow_advice(
+                inp,
+                advice,
+                bigger,
+                f"{at_size}{pct(most)} at the configured {gib(d.offload_buffer_bytes)}",
             )
         return advice(
             Action.DISABLE_OFFLOAD,
@@ -492,15 +488,12 @@ def _balance_rule(
         # the answer then, not turning the tier off.
         grown = _grow_that_pays(inp, th, headroom, bal.ttft_seconds + bal.net_seconds)
         if grown is not None:
-            grow, grow_share = grown
-            return advice(
-                Action.GROW_BUFFER,
-                Reason.BUFFER_TOO_SMALL,
+            return _grow_advice(
+                inp,
+                advice,
+                grown,
                 f"At the configured {gib(d.offload_buffer_bytes)} {_balance_text(bal)}, "
-                f"at most {pct(upper)} of TTFT; the what-if replay of this traffic reaches "
-                f"{pct(grow.hit_ratio)} with {gib(grow.cpu_buffer_bytes)} (fits the memory "
-                f"headroom), saving at least {pct(grow_share)} of TTFT." + _reuse_gap_note(inp),
-                grow.cpu_buffer_bytes,
+                f"at most {pct(upper)} of TTFT",
             )
         return advice(
             Action.DISABLE_OFFLOAD,
@@ -511,6 +504,24 @@ def _balance_rule(
             "pinned memory and the PCIe traffic buy nothing here; turn it off.",
         )
     return None
+
+
+def _grow_advice(
+    inp: AdvisorInput,
+    advice: Callable[..., Advice],
+    grown: tuple[WhatIfPoint, float],
+    at_size: str,
+) -> Advice:
+    """grow_buffer to the size _grow_that_pays found; `at_size` says what this size saves."""
+    point, share = grown
+    return advice(
+        Action.GROW_BUFFER,
+        Reason.BUFFER_TOO_SMALL,
+        f"{at_size}; the what-if replay of this traffic reaches {pct(point.hit_ratio)} with "
+        f"{gib(point.cpu_buffer_bytes)} (fits the memory headroom), saving at least "
+        f"{pct(share)} of TTFT." + _reuse_gap_note(inp),
+        point.cpu_buffer_bytes,
+    )
 
 
 def _grow_that_pays(
