@@ -291,6 +291,8 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
         )
     whatif = inp.whatif
     hit = d.offload_hit_ratio
+    # Checked even with a proven delivered saving: a tier that serves almost no tokens cannot
+    # be what made requests faster (drift between the two windows can).
     if hit is not None and hit < th.offload_hit_ratio_material:
         grow = _bigger_size(inp, th, headroom)
         # Too few hits to measure what a reload costs: a bigger buffer is only worth
