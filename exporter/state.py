@@ -7,7 +7,7 @@ with its memory. The file carries it across:
 
     {"version": 1, "targets": {"<target label>": [{"model_name": ..., "engine": ...,
       "kv_bytes_per_token": <float or null>, "requests_per_second": <float or null>,
-      "machine": <NVML GPU UUIDs or null>,
+      "machine": <NVML GPU UUIDs or null>, "scale": <float, 1 when absent>,
       "fit": {"overhead_seconds", "seconds_per_token", "points", "r2", "stderr",
               "overhead_stderr", "covariance"}}, ...]}}
 
@@ -56,6 +56,7 @@ def dump(remembered: Remembered) -> str:
                 "kv_bytes_per_token": cost.kv_bytes_per_token,
                 "requests_per_second": cost.requests_per_second,
                 "machine": cost.machine,
+                "scale": cost.scale,
                 "fit": {name: getattr(cost.fit, name) for name in _FIT_FIELDS},
             }
             for key, cost in engines.items()
@@ -118,11 +119,16 @@ def parse(text: str) -> dict[str, dict[EngineKey, CostBefore]]:
             machine = entry.get("machine")
             if machine is not None and not isinstance(machine, str):
                 raise StateError(f"{where}: machine must be a string")
+            # Absent in the files of the first version with a state file: no correction.
+            scale = _number(entry.get("scale"), f"{where}.scale")
+            if scale is not None and scale <= 0:
+                raise StateError(f"{where}.scale: must be positive, got {scale!r}")
             fits[EngineKey(model, engine)] = CostBefore(
                 _fit(entry.get("fit"), where),
                 _number(entry.get("kv_bytes_per_token"), f"{where}.kv_bytes_per_token"),
                 _number(entry.get("requests_per_second"), f"{where}.requests_per_second"),
                 machine,
+                1.0 if scale is None else scale,
             )
         out[label] = fits
     return out

@@ -9,6 +9,8 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from bench.advice_eval import _judge, _requests, matrixkit
 from exporter.cli import main
 from exporter.config import Config
@@ -258,3 +260,28 @@ def test_a_fit_from_another_machine_is_not_compared() -> None:
     anywhere = {key: replace(cost, machine=None)}
     (engine,) = replay_one(on, Config(), before=anywhere).final.targets[0].engines
     assert engine.derived.delivered is not None
+
+
+def test_what_enabling_delivered_is_priced_by_a_fit_corrected_on_its_own_window() -> None:
+    """32B unique with 48 GiB (nothing loads; offload neutral): the TTFT fit of the run
+    without offload predicts more summed TTFT than its own window had, and priced the
+    window with offload 8 % above what it took, "a saving" on traffic that loaded nothing.
+    The fit's scale (the window's TTFT over its prediction), remembered with it, takes that
+    bias out: the delivered share then lands within 0.03 of the two runs' measured change."""
+    on, off = MATRIX / "qwen3-32b-unique-cpu192k", MATRIX / "qwen3-32b-unique-none-rep"
+    truth = matrixkit.paired_truth(_requests(off), _requests(on))
+    base = replay_one(off, Config())
+    ((key, cost),) = base.before.items()
+    (last,) = base.final.targets[0].engines
+    w = last.derived.window
+    predicted, _ = cost.fit.predict(w["ttft_requests"], w["prompt_by_source:local_compute"])
+    assert cost.scale == pytest.approx(w["ttft_seconds"] / predicted)
+    assert cost.scale < 0.97  # the fit overstates its own window here
+    (engine,) = replay_one(on, Config(), before=base.before).final.targets[0].engines
+    dv = engine.derived.delivered
+    assert dv is not None and dv.share() is not None
+    assert abs(dv.share() + truth["relative_change"]) < 0.03
+    raw = replace(cost, scale=1.0)
+    (engine,) = replay_one(on, Config(), before={key: raw}).final.targets[0].engines
+    assert engine.derived.delivered is not None
+    assert abs((engine.derived.delivered.share() or 0.0) + truth["relative_change"]) > 0.05

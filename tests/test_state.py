@@ -23,7 +23,11 @@ from tests.faults.common import wait_until
 EK = EngineKey("qwen3-8b", "0")
 # The 8B chat engine of the H200 matrix without offload, in round numbers.
 CHAT = CostBefore(
-    PrefillFit(0.0284, 21.5e-6, 120, 0.93, 0.65e-6, 1.1e-3, -5e-10), 147_456.0, 2.9, "GPU-1,GPU-2"
+    PrefillFit(0.0284, 21.5e-6, 120, 0.93, 0.65e-6, 1.1e-3, -5e-10),
+    147_456.0,
+    2.9,
+    "GPU-1,GPU-2",
+    0.93,
 )
 # A fit without its covariance and a model whose KV size was not known.
 BARE = CostBefore(PrefillFit(0.05, 3e-6, 40, 0.5), None, None)
@@ -76,6 +80,18 @@ def test_a_fit_must_be_finite_numbers() -> None:
     doc["targets"]["a"][0]["machine"] = 7
     with pytest.raises(StateError, match="machine must be a string"):
         parse(json.dumps(doc))
+    doc = json.loads(dump({"a": {EK: CHAT}}))
+    doc["targets"]["a"][0]["scale"] = 0
+    with pytest.raises(StateError, match="scale: must be positive"):
+        parse(json.dumps(doc))
+
+
+def test_a_file_without_a_scale_reads_as_no_correction() -> None:
+    """The first files written had no "scale": they load with the fit as it was."""
+    doc = json.loads(dump({"a": {EK: CHAT}}))
+    del doc["targets"]["a"][0]["scale"]
+    (back,) = parse(json.dumps(doc))["a"].values()
+    assert back.scale == 1.0 and back.fit == CHAT.fit
 
 
 async def test_a_restarted_exporter_remembers_what_the_last_one_measured(tmp_path: Path) -> None:

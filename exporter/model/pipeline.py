@@ -144,7 +144,13 @@ class Pipeline:
             self.remember_before(
                 label,
                 {
-                    d.key: CostBefore(d.ttft_fit, d.kv_bytes_per_token, rate, machine[label])
+                    d.key: CostBefore(
+                        d.ttft_fit,
+                        d.kv_bytes_per_token,
+                        rate,
+                        machine[label],
+                        d.ttft_fit_scale or 1.0,
+                    )
                     for d in ds
                     if not d.offload_enabled
                     and d.ttft_fit is not None

@@ -14,13 +14,20 @@ from dataclasses import dataclass
 from exporter.model.derive.backends import BackendDerived, backend_derived
 from exporter.model.derive.balance import (
     DELIVERED_KEYS,
+    TTFT_FIT_KEYS,
     DeliveredSaving,
     OffloadBalance,
     delivered_saving,
     offload_balance,
 )
 from exporter.model.derive.balance import KEYS as BALANCE_KEYS
-from exporter.model.derive.fits import OffloadFit, PrefillFit, offload_fit, prefill_fit
+from exporter.model.derive.fits import (
+    OffloadFit,
+    PrefillFit,
+    offload_fit,
+    prefill_fit,
+    total_scale,
+)
 from exporter.vllm_cmdline import LaunchConfig
 from exporter.vllm_metrics import EngineKey, EngineSample, TargetSample
 from exporter.window import TargetWindow
@@ -37,6 +44,7 @@ class CostBefore:
     kv_bytes_per_token: float | None
     requests_per_second: float | None = None  # of the window the fit was measured over
     machine: str | None = None  # DeriveSettings.machine when it was measured
+    scale: float = 1.0  # EngineDerived.ttft_fit_scale when it was measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +100,9 @@ class EngineDerived:
     backend: BackendDerived | None = None  # connector/spec/tiers and per-backend values
     balance: OffloadBalance | None = None  # offload on: the window's TTFT saved minus stores
     ttft_fit: PrefillFit | None = None  # offload off: summed TTFT on requests, computed tokens
+    # The window's summed TTFT over what ttft_fit predicts for the window's own requests and
+    # tokens (fits.total_scale).
+    ttft_fit_scale: float | None = None
     # Offload on, with the engine's TTFT fit from before it was enabled: what enabling saved.
     delivered: DeliveredSaving | None = None
     load_wait_share: float = 0.0  # of a prefill, per load beyond its copy (DeriveSettings)
@@ -283,6 +294,7 @@ def derive_engine(
         delivered_saving(
             comparable.fit,
             comparable.requests_per_second,
+            comparable.scale,
             dict(zip(DELIVERED_KEYS, got, strict=True)) if (got := sums(*DELIVERED_KEYS)) else None,
             win.covered_seconds(),
         )
@@ -294,12 +306,13 @@ def derive_engine(
     # what-if's saving is stated in summed TTFT, the unit of the truth it is checked against.
     tfit = (
         prefill_fit(
-            win.points(ek, ("ttft_requests", "prompt_by_source:local_compute", "ttft_seconds")),
+            win.points(ek, TTFT_FIT_KEYS),
             settings.min_fit_points,
         )
         if fresh and not enabled
         else None
     )
+    tfit_scale = total_scale(tfit, sums(*TTFT_FIT_KEYS)) if tfit is not None else None
     average = _rate(sums("computed_tokens", "prefill_seconds"))
     bal_sums = sums(*BALANCE_KEYS) if ofit is not None else None
     bal = offload_balance(
@@ -389,6 +402,7 @@ def derive_engine(
         ),
         balance=bal,
         ttft_fit=tfit,
+        ttft_fit_scale=tfit_scale,
         delivered=delivered,
     )
 

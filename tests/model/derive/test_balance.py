@@ -11,7 +11,7 @@ from exporter.model.derive.balance import (
     delivered_saving,
     offload_balance,
 )
-from exporter.model.derive.fits import OffloadFit, PrefillFit
+from exporter.model.derive.fits import OffloadFit, PrefillFit, total_scale
 from tests.helpers import balance_sums
 
 # 40 us a computed token, 10 us a loaded one (saving 30 +- 2 us), valid.
@@ -71,7 +71,7 @@ def delivered_sums(
 def test_what_enabling_delivered_prices_the_windows_traffic_at_the_cost_before() -> None:
     """480 requests in 120 s (the rate before), 100k tokens loaded and 300k computed: before
     offload they would have cost 480 x 20 ms + 400k x 10 us = 13.6 s; they took 10 s."""
-    d = delivered_saving(BEFORE, RATE, delivered_sums(480, 100_000, 300_000, 10.0), 120.0)
+    d = delivered_saving(BEFORE, RATE, 1.0, delivered_sums(480, 100_000, 300_000, 10.0), 120.0)
     assert d is not None
     assert d.without_seconds == pytest.approx(13.6)
     assert d.net_seconds == pytest.approx(3.6)
@@ -81,19 +81,42 @@ def test_what_enabling_delivered_prices_the_windows_traffic_at_the_cost_before()
     hi, lo = d.share(2.0), d.share(-2.0)
     assert hi is not None and lo is not None and lo < 3.6 / 13.6 < hi
     # Slower than before: a negative share.
-    slower = delivered_saving(BEFORE, RATE, delivered_sums(480, 100_000, 300_000, 20.0), 120.0)
+    slower = delivered_saving(BEFORE, RATE, 1.0, delivered_sums(480, 100_000, 300_000, 20.0), 120.0)
     assert slower is not None and (slower.share() or 0.0) < 0
 
 
 def test_nothing_is_delivered_without_a_comparable_before() -> None:
     sums = delivered_sums(480, 100_000, 300_000, 10.0)
-    assert delivered_saving(None, RATE, sums, 120.0) is None
-    assert delivered_saving(BEFORE, None, sums, 120.0) is None
-    assert delivered_saving(BEFORE, RATE, None, 120.0) is None
+    assert delivered_saving(None, RATE, 1.0, sums, 120.0) is None
+    assert delivered_saving(BEFORE, None, 1.0, sums, 120.0) is None
+    assert delivered_saving(BEFORE, RATE, 1.0, None, 120.0) is None
     no_covariance = PrefillFit(0.020, 10e-6, 60, 0.9, 1e-6)
-    assert delivered_saving(no_covariance, RATE, sums, 120.0) is None
-    assert delivered_saving(BEFORE, RATE, delivered_sums(0, 0, 0, 0.0), 120.0) is None
+    assert delivered_saving(no_covariance, RATE, 1.0, sums, 120.0) is None
+    assert delivered_saving(BEFORE, RATE, 1.0, delivered_sums(0, 0, 0, 0.0), 120.0) is None
     # A busier or quieter engine queues differently: the fit before does not price it.
     for factor in (1 + SAME_LOAD + 0.05, 1 / (1 + SAME_LOAD + 0.05)):
-        assert delivered_saving(BEFORE, RATE * factor, sums, 120.0) is None
-    assert delivered_saving(BEFORE, RATE * (1 + SAME_LOAD - 0.05), sums, 120.0) is not None
+        assert delivered_saving(BEFORE, RATE * factor, 1.0, sums, 120.0) is None
+    assert delivered_saving(BEFORE, RATE * (1 + SAME_LOAD - 0.05), 1.0, sums, 120.0) is not None
+
+
+def test_the_fits_bias_on_its_own_window_is_taken_out() -> None:
+    """A fit that predicted 1.25x the summed TTFT of the window it was measured on (scale
+    0.8) prices the window with offload 0.8 times as high, and its error with it: the 32B
+    runs of the H200 matrix, where the uncorrected fit promised savings of 3-7 % on
+    traffic that loaded nothing."""
+    sums = delivered_sums(480, 100_000, 300_000, 10.0)
+    plain = delivered_saving(BEFORE, RATE, 1.0, sums, 120.0)
+    scaled = delivered_saving(BEFORE, RATE, 0.8, sums, 120.0)
+    assert plain is not None and scaled is not None
+    assert scaled.without_seconds == pytest.approx(0.8 * 13.6)
+    assert scaled.stderr_seconds == pytest.approx(0.8 * plain.stderr_seconds)
+    assert scaled.share() == pytest.approx((10.88 - 10.0) / 10.88)
+    assert delivered_saving(BEFORE, RATE, 0.0, sums, 120.0) is None
+
+
+def test_a_fits_scale_is_its_windows_total_over_its_prediction() -> None:
+    # 480 requests and 400k tokens: 13.6 s predicted.
+    assert total_scale(BEFORE, (480.0, 400_000.0, 10.88)) == pytest.approx(0.8)
+    assert total_scale(BEFORE, None) is None
+    assert total_scale(BEFORE, (480.0, 400_000.0, 0.0)) is None
+    assert total_scale(PrefillFit(0.0, 0.0, 10, 0.0), (480.0, 400_000.0, 1.0)) is None
