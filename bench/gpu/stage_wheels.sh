@@ -116,14 +116,19 @@ left=$(du -sb "$STAGE/vllm-tree" | cut -f1)
 log "vllm tree: $full -> $left bytes"
 find "$DL" -name '*.whl' ! -name 'vllm-0.26.0-*' -exec cp {} "$OUT/wheels/" \;
 wheels_bytes=$(du -cb "$OUT"/wheels/*.whl | tail -1 | cut -f1)
+# The first part travels with the dependency wheels: together at most PART_MIB.
+first_mib=$(( PART_MIB - (wheels_bytes + MIB - 1) / MIB - 1 ))
+if [ "$first_mib" -lt 1 ]; then
+  log "PART_MIB=$PART_MIB leaves no room for part-00 beside $((wheels_bytes / MIB)) MiB of wheels:" \
+    "use at least $(( (wheels_bytes + MIB - 1) / MIB + 2 ))"
+  exit 2
+fi
 
 log "tar | xz -$XZ_LEVEL -T0 (a minute or two)"
 rm -f "$OUT"/kvoe-gpu.tar.xz* "$OUT"/vllm-0.26.0-stripped.tar.xz*
 # Deterministic order, owners and times: a rerun from the same wheel gives the same bytes.
 tar -C "$STAGE/vllm-tree" --sort=name --owner=0 --group=0 --numeric-owner --mtime=2026-01-01 \
   -cf - . | xz -"$XZ_LEVEL" -T0 >"$OUT/vllm-0.26.0-stripped.tar.xz"
-# The first part travels with the dependency wheels: together at most PART_MIB.
-first_mib=$(( PART_MIB - (wheels_bytes + MIB - 1) / MIB - 1 ))
 ( cd "$OUT" && head -c $((first_mib * MIB)) vllm-0.26.0-stripped.tar.xz >vllm-0.26.0-stripped.tar.xz.part-00 \
   && tail -c +$((first_mib * MIB + 1)) vllm-0.26.0-stripped.tar.xz \
      | split -b "${PART_MIB}M" -d -a 2 --numeric-suffixes=1 - vllm-0.26.0-stripped.tar.xz.part- )
