@@ -392,6 +392,19 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
             f"requests faster is not measured yet: {why}. vLLM's copy-time counter alone "
             f"(speedup {d.transfer_speedup or float('nan'):.2f}) leaves out per-load costs.",
         )
+    if not proven and bal is not None and lower is not None and lower < 0:
+        # The speedup margin stands in for what the per-token fits do not see; the balance
+        # charges the stores, and where even it may end in a cost, keeping or resizing the
+        # tier is a guess (0.6B long-context with 21 GiB on the H200: a loaded token 2x
+        # cheaper by the fit, the balance -1 to +10 %, offload measured 19 % slower).
+        return advice(
+            Action.INSUFFICIENT_DATA,
+            Reason.RELOAD_BENEFIT_UNMEASURED,
+            f"{pct(hit)} of prompt tokens come back from the CPU tier, but over the window "
+            f"{_balance_text(bal)}: from a cost of {pct(-lower)} to a saving of "
+            f"{pct(bal.share(2.0))} of TTFT. Whether offload pays here is not measured "
+            "precisely enough yet to keep the tier or resize it; more traffic narrows it.",
+        )
     if (
         d.reuse_ratio is not None
         and d.reuse_ratio < th.reuse_ratio_low

@@ -478,6 +478,47 @@ def test_a_material_balance_stands_in_for_the_speedup_margin():
     assert a.action == Action.KEEP and "net +" in a.explanation
 
 
+def test_a_balance_that_may_end_in_a_cost_keeps_nothing_yet():
+    """0.6B long-context with 21 GiB on the H200, in round numbers: the TTFT fit proves a
+    loaded token 2x cheaper than a computed one (the speedup margin cleared), but the
+    balance, which charges the stores, lies between a cost and a saving. Keeping or resizing
+    the tier waits (offload was measured 19 % slower there); a balance whose lower end is a
+    saving, however small, lets the sizing rules decide as before."""
+    sums = {
+        "prompt_by_source:external_kv_transfer": 437_000.0,
+        "prompt_by_source:local_compute": 68_500.0,
+        "store_seconds": 0.2,
+        "ttft_seconds": 6.0,
+    }
+
+    def fit(stderr: float) -> OffloadFit:
+        return OffloadFit(
+            0.03,
+            8e-6,
+            4e-6,
+            150,
+            0.9,
+            saving_stderr=stderr,
+            computed_stderr=1e-6,
+            loaded_stderr=1e-6,
+        )
+
+    loose = offload_balance(fit(1.6e-6), sums)
+    assert loose is not None
+    lower, upper = loose.share(-2.0), loose.share(2.0)
+    assert lower is not None and upper is not None
+    assert lower < 0 and upper >= DEFAULT.ttft_saving_material
+    d = base(**{**ON, "offload_fit": fit(1.6e-6), "balance": loose, "transfer_speedup": 2.5})
+    assert fit(1.6e-6).proves_gain and (fit(1.6e-6).measured_speedup or 0) >= 1.5
+    a = evaluate(inp(d))
+    assert a.action == Action.INSUFFICIENT_DATA and a.reason == "reload_benefit_unmeasured"
+    assert "from a cost of" in a.explanation
+    tight = offload_balance(fit(0.2e-6), sums)
+    assert tight is not None and (tight.share(-2.0) or -1.0) >= 0
+    a = evaluate(inp(replace(d, offload_fit=fit(0.2e-6), balance=tight)))
+    assert a.action == Action.KEEP and a.reason == "paying_off"
+
+
 @pytest.mark.parametrize(
     ("covered", "tokens", "reason"),
     [(30.0, 400_000.0, "window_too_short"), (300.0, 1_000.0, "too_little_traffic")],
