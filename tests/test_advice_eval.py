@@ -44,7 +44,8 @@ def test_the_matrix_is_there_and_every_label_is_measured(evals) -> None:  # type
     """A run is labelled from its family's runs at the size its advice speaks about; it is
     unlabelled only when no run of that size was recorded on its machine yet (a loop still
     to close there: 8B concurrent's 16 GiB run is on another machine than two of its runs
-    without offload, 7.6 % apart from them by drift alone)."""
+    without offload, 7.6 % apart from them by drift alone; 32B concurrent's 16 GiB run was
+    lost with its machine in session 9, and only its run without offload was recorded)."""
     assert len(evals) >= 12
     metas = {e.run: _meta(MATRIX / e.run) for e in evals}
     for e in evals:

@@ -1023,6 +1023,7 @@ def test_matrix_finalize_collect_unpack_truth(tmp_path: Path) -> None:
             assert [json.loads(x) for x in fh] == [{"t": 1.0, "body": "a 1\n"}]
     (work / "DONE").write_text("done\n")
     (work / "status.json").write_text("{}")
+    (work / "daemon.pid").write_text(f"{os.getpid()} matrix.py\n")
     out = tmp_path / "out"
     assert matrix.main(["collect", "--work", str(work), "--out", str(out)]) == 0
     tars = sorted(out.glob("runs-*.tar"))
@@ -1172,3 +1173,47 @@ def test_matrix_compact_rewrites_a_run_once(tmp_path: Path) -> None:
     before = {p.name: p.read_bytes() for p in d.iterdir()}
     assert matrix.main(["compact", str(d)]) == 0
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_matrix_collect_without_a_driver_says_so_at_once(
+    tmp_path: Path, made: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A collect call on a fresh machine (the one that ran the driver went back between calls)
+    finds no work folder, or one no driver started in: it must stop with a clear error, not wait
+    out its --wait-s (session 9 lost 577 s of device time to that wait, then a traceback)."""
+    work = tmp_path / "kvoe-matrix"
+    if made:
+        (work / "runs").mkdir(parents=True)
+    out = tmp_path / "out"
+    rc = matrix.main(["collect", "--work", str(work), "--out", str(out), "--wait-s", "0.5"])
+    assert rc == 3
+    assert "no driver was started" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("grace", [0.0, 60.0])
+def test_matrix_collect_waits_for_a_run_being_compressed(tmp_path: Path, grace: float) -> None:
+    """A run whose traffic ended as the wait ran out (state "written", FINAL not yet there)
+    goes into this call's tar when --grace-s allows, instead of into a next call that may find
+    a fresh machine; with no grace it is left for the next collect."""
+    work = tmp_path / "kvoe-matrix"
+    run = work / "runs" / "s-w-cpu64k"
+    run.mkdir(parents=True)
+    (run / "meta.json").write_text("{}")
+    (work / "daemon.pid").write_text(f"{os.getpid()} matrix.py\n")
+    (work / "DONE").write_text("done\n")
+    (work / "status.json").write_text(json.dumps({"runs": {run.name: {"state": "written"}}}))
+    finalizer = threading.Timer(1.5, lambda: (run / "FINAL").write_text("{}\n"))
+    finalizer.start()
+    out = tmp_path / "out"
+    args = ["collect", "--work", str(work), "--out", str(out), "--grace-s", str(grace)]
+    try:
+        assert matrix.main(args) == 0
+    finally:
+        finalizer.join()
+    names: list[str] = []
+    for t in sorted(out.glob("runs-*.tar")):
+        with tarfile.open(t) as tar:
+            names += tar.getnames()
+    assert ("s-w-cpu64k/FINAL" in names) == (grace > 0)

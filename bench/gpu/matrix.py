@@ -18,7 +18,8 @@ turns run one at a time, so no traffic shares the GPU with another run's.
 On the H200 machine (after bench/gpu/device_setup.sh), detached so that it outlives the call:
     PYTHONPATH=/tmp/kvoe-gpu/site:$PWD python3 bench/gpu/matrix.py run --runs A,B,... \
         --work /tmp/kvoe-matrix --deadline-in 1300 --detach
-    python3 bench/gpu/matrix.py collect --work /tmp/kvoe-matrix --out "$OUT" --wait-s 560
+    python3 bench/gpu/matrix.py collect --work /tmp/kvoe-matrix --out "$OUT" --wait-s 555 \
+        --grace-s 20     # exit 3 at once: no driver here (the machine went back between calls)
 Here:
     .venv/bin/python bench/gpu/matrix.py plan --runs A,B,... --budget 1300
     .venv/bin/python bench/gpu/matrix.py show --runs A,B,...
@@ -719,11 +720,34 @@ def cmd_finalize(a: argparse.Namespace) -> int:
     return 0
 
 
+def _finalizing(work: Path) -> list[str]:
+    """Runs the driver has written but not yet finalized (compressed)."""
+    try:
+        st = json.loads((work / "status.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [
+        name
+        for name, r in st.get("runs", {}).items()
+        if r.get("state") == "written" and not (work / "runs" / name / "FINAL").exists()
+    ]
+
+
 def cmd_collect(a: argparse.Namespace) -> int:
     work, out = Path(a.work), Path(a.out)
+    pid_file = work / "daemon.pid"
+    if not pid_file.exists():
+        # No driver ever started here: on the device this means the machine that ran it went
+        # back between calls and this call got a fresh one. Waiting would only burn device time
+        # (session 9 lost 577 s that way), so say so at once.
+        print(
+            f"collect: no driver was started in {work} (a fresh machine? the one that ran it "
+            "went back between calls, and its runs with it)",
+            file=sys.stderr,
+        )
+        return 3
     out.mkdir(parents=True, exist_ok=True)
     until = time.time() + a.wait_s
-    pid_file = work / "daemon.pid"
 
     def daemon_alive() -> bool:
         try:
@@ -736,6 +760,12 @@ def cmd_collect(a: argparse.Namespace) -> int:
             print("collect: the driver is not running")
             break
         time.sleep(2)
+    # A run whose traffic is over is being compressed (state "written", no FINAL yet): wait
+    # up to --grace-s for it rather than leave it to a next call, which may find a fresh
+    # machine (session 9 lost a 32B run finished seconds after the pack that way).
+    grace_until = time.time() + a.grace_s
+    while time.time() < grace_until and _finalizing(work):
+        time.sleep(1)
     done_file = work / "collected.txt"
     done = set(done_file.read_text().split()) if done_file.exists() else set()
     ready = sorted(p.parent for p in (work / "runs").glob("*/FINAL") if p.parent.name not in done)
@@ -1090,6 +1120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/kvoe-matrix")
     p.add_argument("--out", required=True)
     p.add_argument("--wait-s", type=float, default=0.0)
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=0.0,
+        help="after --wait-s, wait up to this long more for runs being compressed",
+    )
     p.set_defaults(fn=cmd_collect)
 
     p = sub.add_parser("finalize", help="(child) compress one run into the recording format")
