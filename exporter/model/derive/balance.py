@@ -12,10 +12,11 @@ measured with the stores running, so:
 
 where s is the store cost per computed token: a loaded token would have been computed
 without offload but not stored either, and the computed ones would not have been stored.
-s is taken as vLLM's store copy time over the computed tokens (the copies on the critical
-path: an upper bound, so the balance leans against offload). On the H200 matrix
-(docs/gpu-acceptance.md) prefill time rose by 1.2-1.8 s against 1.3-1.6 s of store copy
-time in the runs where offload did not pay.
+s is taken as vLLM's store copy time over the computed tokens, all of it on the critical
+path. On the H200 matrix (docs/gpu-acceptance.md) prefill time rose by 1.2-1.8 s against
+1.3-1.6 s of store copy time in the short-prefix runs where offload did not pay, but on
+10 k-token prefills a computed token's TTFT cost rose by 1.4-2.9x its copy time: there the
+balance leans toward offload (docs/advisor.md, "Its limit").
 
 The issue's truth (docs/advisor.md) says offload pays when it cuts summed TTFT by 3 % or
 more of the time without it; the balance states its estimate in that very unit.
