@@ -140,7 +140,7 @@ def test_no_advice_is_harmful_but_the_known_miss(evals) -> None:  # type: ignore
     "qwen3-0.6b-long-context-cpu64k (session 10), data the advisor was not tuned on, keeps "
     "offload at 121 s where it costs 9.6 %: the balance prices a loaded token 5.0 +- 0.9 us "
     "cheaper than a computed one and the stores at 1.57 s, net +0.64 s (+0.23 to +1.04), where "
-    "the matched requests measured -0.57 s. With offload on a computed token cost 8.7 us "
+    "the matched requests measured -0.57 s. With offload on a computed token cost 8.6 us "
     "against 3.7 us without (interval fits), and the store copies explain only 3.1 us of that "
     "rise: the balance prices each loaded token's recompute ~1.8 us too high. No window with "
     "offload on separates the two, since every computed block is stored (docs/advisor.md, "

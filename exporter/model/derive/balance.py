@@ -15,8 +15,9 @@ without offload but not stored either, and the computed ones would not have been
 s is taken as vLLM's store copy time over the computed tokens, all of it on the critical
 path. On the H200 matrix (docs/gpu-acceptance.md) prefill time rose by 1.2-1.8 s against
 1.3-1.6 s of store copy time in the short-prefix runs where offload did not pay, but on
-10 k-token prefills a computed token's TTFT cost rose by 1.4-2.9x its copy time: there the
-balance leans toward offload (docs/advisor.md, "Its limit").
+10 k-token prefills a computed token's TTFT cost rose by 1.6-4.0x its copy time
+(bench/store_cost.py): there the balance leans toward offload (docs/advisor.md, "Its
+limit").
 
 The issue's truth (docs/advisor.md) says offload pays when it cuts summed TTFT by 3 % or
 more of the time without it; the balance states its estimate in that very unit.

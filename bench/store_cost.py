@@ -1,0 +1,166 @@
+"""What a store costs a computing request, against its copy time, on the real-GPU matrix.
+
+The window's balance (exporter/model/derive/balance.py) prices a loaded token's recompute at
+what a computed token costs with offload on, less vLLM's store copy time per computed token.
+Whether the copy time is all the stores cost is measurable only where both runs of a pair
+exist: the TTFT fit of the run without offload gives a computed token's own cost b0, the
+offload run's fit (computed and loaded tokens) the cost with its store, b. Their difference
+against the copy time s is the store's cost that the balance does not see:
+
+    .venv/bin/python -m bench.store_cost [--json]
+
+Per offload run of the matrix (tests/fixtures/gpu/matrix, each against its base run,
+matrixkit.base_run) it prints b0, b, s and (b - b0) / s with the fits' standard errors, using
+the exporter's own fits (exporter/model/derive/fits.py) on the scrape intervals of
+metrics.jsonl. A ratio is only as good as the two slopes: it is printed where both are
+significant and the rise exceeds its own error, "-" elsewhere. Results: docs/advisor.md
+("Its limit").
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import lzma
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from exporter import expfmt
+from exporter.model.derive.fits import offload_fit, prefill_fit
+from exporter.vllm_metrics import WANTED, normalise
+
+REPO = Path(__file__).resolve().parent.parent
+MATRIX = REPO / "tests" / "fixtures" / "gpu" / "matrix"
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import matrixkit  # type: ignore[import-not-found]  # noqa: E402  bench/gpu holds scripts, not a package
+
+COMPUTED = "prompt_by_source:local_compute"
+LOADED = "prompt_by_source:external_kv_transfer"
+KEYS = ("ttft_requests", COMPUTED, LOADED, "ttft_seconds", "store_seconds")
+MIN_POINTS = 10  # the exporter's default min_fit_points
+
+
+def _scrapes(run: Path) -> list[dict[str, float]]:
+    """The summed counters of KEYS at every scrape of a recording (engines added)."""
+    out: list[dict[str, float]] = []
+    with lzma.open(run / "metrics.jsonl.xz", "rt", encoding="utf-8") as fh:
+        for line in fh:
+            rec = json.loads(line)
+            sample = normalise(expfmt.parse(rec["body"], WANTED), float(rec["t"]))
+            tot = dict.fromkeys(KEYS, 0.0)
+            for es in sample.engines.values():
+                for k in KEYS:
+                    tot[k] += es.counters.get(k, 0.0)
+            out.append(tot)
+    return out
+
+
+def _intervals(run: Path) -> list[dict[str, float]]:
+    """Per scrape interval the counters' increase, for the intervals in which a first token
+    came (the exporter's fits take the same)."""
+    s = _scrapes(run)
+    deltas = [{k: b[k] - a[k] for k in KEYS} for a, b in itertools.pairwise(s)]
+    return [d for d in deltas if d["ttft_requests"] > 0]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    run: str
+    base: str
+    computed_us: float | None  # b0: a computed token's TTFT cost without offload
+    computed_stderr_us: float | None
+    with_store_us: float | None  # b: the same with offload on (its store included)
+    with_store_stderr_us: float | None
+    copy_us: float | None  # s: store copy time per computed token
+    ratio: float | None  # (b - b0) / s, where measured
+
+    def cells(self) -> list[str]:
+        def us(x: float | None, e: float | None) -> str:
+            if x is None:
+                return "-"
+            return f"{x:.1f}" + (f" +- {2 * e:.1f}" if e is not None else "")
+
+        return [
+            self.run,
+            self.base,
+            us(self.computed_us, self.computed_stderr_us),
+            us(self.with_store_us, self.with_store_stderr_us),
+            "-" if self.copy_us is None else f"{self.copy_us:.2f}",
+            "-" if self.ratio is None else f"{self.ratio:.1f}",
+        ]
+
+
+def measure(run: Path, base: Path) -> Row:
+    b_keys = ("ttft_requests", COMPUTED, "ttft_seconds")
+    o_keys = ("ttft_requests", COMPUTED, LOADED, "ttft_seconds")
+    b_pts = [tuple(d[k] for k in b_keys) for d in _intervals(base)]
+    o_int = _intervals(run)
+    o_pts = [tuple(d[k] for k in o_keys) for d in o_int]
+    before = prefill_fit(b_pts, MIN_POINTS)
+    # Without `before`: the run's own price of a computed token, as an exporter started on an
+    # engine that already offloads has it.
+    with_ = offload_fit(o_pts, MIN_POINTS)
+    computed = sum(d[COMPUTED] for d in o_int)
+    copy = sum(d["store_seconds"] for d in o_int) / computed if computed > 0 else None
+    b0 = before.seconds_per_token if before is not None else None
+    b0_se = before.stderr if before is not None else None
+    b = with_.computed_seconds_per_token if with_ is not None else None
+    b_se = with_.computed_stderr if with_ is not None else None
+    ratio = None
+    if None not in (b0, b0_se, b, b_se, copy) and copy:
+        assert b0 is not None and b0_se is not None and b is not None and b_se is not None
+        rise, rise_se = b - b0, math.hypot(b0_se, b_se)
+        if b0 - 2 * b0_se > 0 and b - 2 * b_se > 0 and abs(rise) > 2 * rise_se:
+            ratio = rise / copy
+
+    def us(x: float | None) -> float | None:
+        return None if x is None else x * 1e6
+
+    return Row(run.name, base.name, us(b0), us(b0_se), us(b), us(b_se), us(copy), ratio)
+
+
+def rows(root: Path = MATRIX) -> list[Row]:
+    metas: dict[str, dict[str, Any]] = {
+        p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/meta.json"))
+    }
+    out = []
+    for name, meta in sorted(metas.items()):
+        if not isinstance(meta.get("offload"), dict):
+            continue
+        base = matrixkit.base_run(metas, name)
+        if base is not None:
+            out.append(measure(root / name, root / base))
+    return out
+
+
+def table(rs: Sequence[Row]) -> str:
+    head = [
+        "offload run",
+        "against",
+        "computed token, without offload (us, +- 2 se)",
+        "with offload on",
+        "store copy per computed token (us)",
+        "rise / copy",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r.cells()) + " |" for r in rs]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=MATRIX)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rs = rows(args.root)
+    print(json.dumps([asdict(r) for r in rs], indent=1) if args.json else table(rs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
