@@ -41,7 +41,15 @@ import matrixkit  # type: ignore[import-not-found]  # noqa: E402  bench/gpu hold
 
 COMPUTED = "prompt_by_source:local_compute"
 LOADED = "prompt_by_source:external_kv_transfer"
-KEYS = ("ttft_requests", COMPUTED, LOADED, "ttft_seconds", "store_seconds")
+KEYS = (
+    "ttft_requests",
+    COMPUTED,
+    LOADED,
+    "ttft_seconds",
+    "store_seconds",
+    "prefill_requests",
+    "prefill_seconds",
+)
 MIN_POINTS = 10  # the exporter's default min_fit_points
 
 
@@ -78,6 +86,11 @@ class Row:
     with_store_stderr_us: float | None
     copy_us: float | None  # s: store copy time per computed token
     ratio: float | None  # (b - b0) / s, where measured
+    # The same two slopes on vLLM's prefill time (scheduled to first token: no queueing, and
+    # no load, which vLLM counts as queue time), and their rise over s.
+    prefill_computed_us: float | None = None
+    prefill_with_store_us: float | None = None
+    prefill_ratio: float | None = None
 
     def cells(self) -> list[str]:
         def us(x: float | None, e: float | None) -> str:
@@ -92,36 +105,54 @@ class Row:
             us(self.with_store_us, self.with_store_stderr_us),
             "-" if self.copy_us is None else f"{self.copy_us:.2f}",
             "-" if self.ratio is None else f"{self.ratio:.1f}",
+            us(self.prefill_computed_us, None) + " / " + us(self.prefill_with_store_us, None),
+            "-" if self.prefill_ratio is None else f"{self.prefill_ratio:.1f}",
         ]
 
 
-def measure(run: Path, base: Path) -> Row:
-    b_keys = ("ttft_requests", COMPUTED, "ttft_seconds")
-    o_keys = ("ttft_requests", COMPUTED, LOADED, "ttft_seconds")
-    b_pts = [tuple(d[k] for k in b_keys) for d in _intervals(base)]
-    o_int = _intervals(run)
-    o_pts = [tuple(d[k] for k in o_keys) for d in o_int]
-    before = prefill_fit(b_pts, MIN_POINTS)
+def _rise(
+    base: list[dict[str, float]], run: list[dict[str, float]], n: str, y: str, copy: float | None
+) -> tuple[float | None, float | None, float | None, float | None, float | None]:
+    """(b0, its stderr, b, its stderr, (b - b0) / copy) of `y` on requests `n` and tokens."""
+    before = prefill_fit([tuple(d[k] for k in (n, COMPUTED, y)) for d in base], MIN_POINTS)
     # Without `before`: the run's own price of a computed token, as an exporter started on an
     # engine that already offloads has it.
-    with_ = offload_fit(o_pts, MIN_POINTS)
-    computed = sum(d[COMPUTED] for d in o_int)
-    copy = sum(d["store_seconds"] for d in o_int) / computed if computed > 0 else None
+    with_ = offload_fit([tuple(d[k] for k in (n, COMPUTED, LOADED, y)) for d in run], MIN_POINTS)
     b0 = before.seconds_per_token if before is not None else None
     b0_se = before.stderr if before is not None else None
     b = with_.computed_seconds_per_token if with_ is not None else None
     b_se = with_.computed_stderr if with_ is not None else None
     ratio = None
-    if None not in (b0, b0_se, b, b_se, copy) and copy:
-        assert b0 is not None and b0_se is not None and b is not None and b_se is not None
+    if b0 is not None and b0_se is not None and b is not None and b_se is not None and copy:
         rise, rise_se = b - b0, math.hypot(b0_se, b_se)
         if b0 - 2 * b0_se > 0 and b - 2 * b_se > 0 and abs(rise) > 2 * rise_se:
             ratio = rise / copy
+    return b0, b0_se, b, b_se, ratio
+
+
+def measure(run: Path, base: Path) -> Row:
+    b_int, o_int = _intervals(base), _intervals(run)
+    computed = sum(d[COMPUTED] for d in o_int)
+    copy = sum(d["store_seconds"] for d in o_int) / computed if computed > 0 else None
+    b0, b0_se, b, b_se, ratio = _rise(b_int, o_int, "ttft_requests", "ttft_seconds", copy)
+    p0, _, p, _, p_ratio = _rise(b_int, o_int, "prefill_requests", "prefill_seconds", copy)
 
     def us(x: float | None) -> float | None:
         return None if x is None else x * 1e6
 
-    return Row(run.name, base.name, us(b0), us(b0_se), us(b), us(b_se), us(copy), ratio)
+    return Row(
+        run.name,
+        base.name,
+        us(b0),
+        us(b0_se),
+        us(b),
+        us(b_se),
+        us(copy),
+        ratio,
+        us(p0),
+        us(p),
+        p_ratio,
+    )
 
 
 def rows(root: Path = MATRIX) -> list[Row]:
@@ -145,6 +176,8 @@ def table(rs: Sequence[Row]) -> str:
         "computed token, without offload (us, +- 2 se)",
         "with offload on",
         "store copy per computed token (us)",
+        "rise / copy",
+        "prefill time: computed token without / with offload (us)",
         "rise / copy",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

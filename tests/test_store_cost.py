@@ -31,4 +31,4 @@ def test_every_offload_run_is_measured_against_its_base() -> None:
     assert all(r.base != r.run and "-cpu" in r.run for r in rs)
     lines = table(rs).splitlines()
     assert len(lines) == len(rs) + 2
-    assert all(line.count("|") == 7 for line in lines)
+    assert all(line.count("|") == 9 for line in lines)
