@@ -2,6 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python -m bench.advice_eval [tests/fixtures/gpu/matrix] [--json]
 
+(the replays run in parallel, one worker process per CPU; KVOE_EVAL_WORKERS sets how many)
+
 Each recording is replayed with DEFAULT thresholds (`kv-offload-exporter replay`, the code
 the live exporter runs). Its label comes from what the runs measured, never from which
 shape or workload it is: the summed TTFT of the identical request sequence with and without
@@ -33,8 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import lzma
+import multiprocessing
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -192,6 +197,53 @@ def _pairs(
     return {**also, **out}
 
 
+@dataclass(frozen=True, slots=True)
+class _Replay:
+    """What the evaluation takes from one replay (the whole CycleResult stays in the worker)."""
+
+    action: str
+    reason: str
+    recommended_buffer_bytes: float | None
+    first_decision: float | None
+    timeline: tuple[Step, ...]
+    before: dict[EngineKey, CostBefore]
+    curve: dict[float, float | None] | None  # the what-if at the sizes asked for
+
+
+def _replay(job: tuple[Path, tuple[int, ...], Mapping[EngineKey, CostBefore] | None]) -> _Replay:
+    """Replay one recording with default thresholds (after `before` where given) and, where
+    sizes are given, once more with the what-if at those sizes. A top-level function: it
+    runs in a worker process."""
+    run, sizes, before = job
+    r = replay_one(run, Config(), before=before)
+    (final,) = (e for t in r.final.targets for e in t.engines)
+    curve = None
+    if sizes:
+        at = replay_one(run, Config(whatif_sizes=sizes))
+        (e,) = (x for tt in at.final.targets for x in tt.engines)
+        curve = {
+            p.cpu_buffer_bytes: p.ttft_saved_seconds_per_second
+            for p in (e.whatif.points if e.whatif is not None else ())
+        }
+    a = final.advice
+    return _Replay(
+        str(a.action),
+        str(a.reason),
+        a.recommended_buffer_bytes,
+        next(iter(r.first_decision.values()), None),
+        r.timeline,
+        r.before,
+        curve,
+    )
+
+
+def _workers() -> int:
+    """KVOE_EVAL_WORKERS, else one per CPU: each replay is independent but for the fits an
+    offload run's replay after its base takes from the base's."""
+    env = os.environ.get("KVOE_EVAL_WORKERS")
+    return max(1, int(env) if env else (os.cpu_count() or 1))
+
+
 def evaluate(root: Path = MATRIX) -> list[RunEval]:
     runs = sorted(p.parent for p in root.glob("*/meta.json"))
     metas = {r.name: _meta(r) for r in runs}
@@ -210,40 +262,52 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
             )
         return truths[base.name, on.name]
 
+    pairs = {r.name: _pairs(runs, metas, r) for r in runs}
+    without = [r for r in runs if _offload_bytes(metas[r.name]) is None]
+    with_ = [r for r in runs if _offload_bytes(metas[r.name]) is not None]
+    bases = {r.name: matrixkit.base_run(metas, r.name) for r in with_}
+    # spawn, not fork: the caller may be a test process with threads of its own.
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=_workers(), mp_context=ctx) as pool:
+        # Runs without offload first: an offload run's replay after its base takes its fits.
+        done = dict(
+            zip(
+                (r.name for r in without),
+                pool.map(
+                    _replay,
+                    [(r, tuple(int(b) for b in sorted(pairs[r.name])), None) for r in without],
+                ),
+                strict=True,
+            )
+        )
+        after_of = [r for r in with_ if bases[r.name] in done]
+        jobs = [(r, (), None) for r in with_] + [
+            (r, (), done[str(bases[r.name])].before) for r in after_of
+        ]
+        results = list(pool.map(_replay, jobs))
+    done.update(zip((r.name for r in with_), results[: len(with_)], strict=True))
+    afters = dict(zip((r.name for r in after_of), results[len(with_) :], strict=True))
+
     out: list[RunEval] = []
-    before: dict[str, dict[EngineKey, CostBefore]] = {}  # run without offload -> its fits
-    # Runs without offload first: an offload run's replay after its base takes its fits.
-    for run in sorted(runs, key=lambda r: _offload_bytes(metas[r.name]) is not None):
+    for run in runs:
         own = _offload_bytes(metas[run.name])
-        pairs = _pairs(runs, metas, run)
-        r = replay_one(run, Config())
-        (final,) = (e for t in r.final.targets for e in t.engines)
-        a = final.advice
-        action, rec = str(a.action), a.recommended_buffer_bytes
-        first = next(iter(r.first_decision.values()), None)
-        measured_at = {size: truth(base, on) for size, (base, on) in pairs.items()}
+        rp = done[run.name]
+        action, rec = rp.action, rp.recommended_buffer_bytes
+        measured_at = {size: truth(base, on) for size, (base, on) in pairs[run.name].items()}
         about = _about(own, action, rec, measured_at)
         t = measured_at.get(about) if about is not None else None
         verdict = str(t["verdict"]) if t is not None else "unknown"
         verdict_3pct = str(t["verdict_3pct"]) if t is not None else "unknown"
         measured = t.get("ttft_saved_s_per_s") if t is not None else None
         agrees, harmful = _judge(action, verdict, t is not None)
-        harmful_at, settled = _timeline(r.timeline, own, measured_at)
-        if own is None:
-            before[run.name] = r.before
+        harmful_at, settled = _timeline(rp.timeline, own, measured_at)
         predictions: list[Prediction] = []
-        if own is None and measured_at:
-            at = replay_one(run, Config(whatif_sizes=tuple(int(b) for b in sorted(measured_at))))
-            (e,) = (x for tt in at.final.targets for x in tt.engines)
-            curve = {
-                p.cpu_buffer_bytes: p.ttft_saved_seconds_per_second
-                for p in (e.whatif.points if e.whatif is not None else ())
-            }
+        if own is None and measured_at and rp.curve is not None:
             for size in sorted(measured_at):
                 m = measured_at[size].get("ttft_saved_s_per_s")
                 if m is None:
                     continue
-                pred = curve.get(float(int(size)))
+                pred = rp.curve.get(float(int(size)))
                 ok = None
                 if pred is not None:
                     # Not finer than the measurement: two runs of the same work differ by
@@ -253,6 +317,9 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                     ok = abs(pred - m) <= tolerance
                 predictions.append(Prediction(run.name, size, pred, m, ok))
         row = next((p for p in predictions if p.size_bytes == about), None)
+        after = None
+        if own is not None and run.name in afters:
+            after = _after(afters[run.name], str(bases[run.name]), own, measured_at)
         out.append(
             RunEval(
                 run.name,
@@ -261,9 +328,9 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                 verdict,
                 measured,
                 action,
-                str(a.reason),
+                rp.reason,
                 rec,
-                first,
+                rp.first_decision,
                 t is not None,
                 agrees,
                 harmful,
@@ -276,7 +343,7 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                 _judge(action, verdict_3pct, t is not None)[1],
                 tuple(harmful_at),
                 _swings(settled),
-                _after(run, own, metas, measured_at, before) if own is not None else None,
+                after,
             )
         )
     return sorted(out, key=lambda e: e.run)
@@ -302,29 +369,13 @@ def _timeline(
     return harmful_at, settled
 
 
-def _after(
-    run: Path,
-    own: float,
-    metas: dict[str, dict[str, Any]],
-    measured_at: dict[float, dict[str, Any]],
-    before: dict[str, dict[EngineKey, CostBefore]],
-) -> After | None:
+def _after(rp: _Replay, base: str, own: float, measured_at: dict[float, dict[str, Any]]) -> After:
     """The offload run replayed with what its run without offload measured remembered."""
-    base = matrixkit.base_run(metas, run.name)
-    if base is None:
-        return None
-    if base not in before:
-        before[base] = replay_one(run.parent / base, Config()).before
-    r = replay_one(run, Config(), before=before[base])
-    (final,) = (e for t in r.final.targets for e in t.engines)
-    a = final.advice
-    about = _about(own, str(a.action), a.recommended_buffer_bytes, measured_at)
+    about = _about(own, rp.action, rp.recommended_buffer_bytes, measured_at)
     t = measured_at.get(about) if about is not None else None
-    agrees, harmful = _judge(str(a.action), str(t["verdict"]) if t else "unknown", t is not None)
-    harmful_at, _ = _timeline(r.timeline, own, measured_at)
-    return After(
-        base, str(a.action), str(a.reason), t is not None, agrees, harmful or bool(harmful_at)
-    )
+    agrees, harmful = _judge(rp.action, str(t["verdict"]) if t else "unknown", t is not None)
+    harmful_at, _ = _timeline(rp.timeline, own, measured_at)
+    return After(base, rp.action, rp.reason, t is not None, agrees, harmful or bool(harmful_at))
 
 
 def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
