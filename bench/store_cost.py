@@ -10,7 +10,8 @@ against the copy time s is the store's cost that the balance does not see:
     .venv/bin/python -m bench.store_cost [--json]
 
 Per offload run of the matrix (tests/fixtures/gpu/matrix, each against its base run,
-matrixkit.base_run) it prints b0, b, s and (b - b0) / s with the fits' standard errors, using
+matrixkit.base_run) it prints b0, b, s and (b - b0) / s with the fits' standard errors (and
+the same two slopes on vLLM's prefill time, which leaves out queueing and load waits), using
 the exporter's own fits (exporter/model/derive/fits.py) on the scrape intervals of
 metrics.jsonl. A ratio is only as good as the two slopes: it is printed where both are
 significant and the rise exceeds its own error, "-" elsewhere. Results: docs/advisor.md
