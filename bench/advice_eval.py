@@ -241,6 +241,8 @@ def _workers() -> int:
     """KVOE_EVAL_WORKERS, else one per CPU: each replay is independent but for the fits an
     offload run's replay after its base takes from the base's."""
     env = os.environ.get("KVOE_EVAL_WORKERS")
+    if env and not env.isdigit():
+        raise SystemExit(f"KVOE_EVAL_WORKERS={env!r}: expected a number of worker processes")
     return max(1, int(env) if env else (os.cpu_count() or 1))
 
 
