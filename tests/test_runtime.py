@@ -35,6 +35,15 @@ from tests.proc_tree import (
 )
 
 
+class _SteppedNvml(NvmlSource):
+    """The NVML source without its poller thread: the tests step the poller on a fake clock
+    themselves, and a thread stepping it too (the app's startup starts every source) would
+    race them and count the recorded PCIe bytes twice."""
+
+    async def start(self) -> None:
+        self.health.started = True
+
+
 def _sources(cfg: Config, proc: Path, api: RecordedNvml, clock: FakeClock):
     (target,) = cfg.targets
     label = target.label
@@ -50,7 +59,7 @@ def _sources(cfg: Config, proc: Path, api: RecordedNvml, clock: FakeClock):
         VllmTarget(
             target, window_seconds=cfg.window, timeout=5.0, max_body_bytes=cfg.max_body_bytes
         ),
-        NvmlSource(api, monotonic=clock),
+        _SteppedNvml(api, monotonic=clock),
         procfs,
         # The runtime hands it the root pid procfs found (CgroupSource.follow()).
         CgroupSource(label, procfs_root=proc, cgroup_root=CGROUP / "v2"),
