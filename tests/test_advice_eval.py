@@ -52,20 +52,23 @@ def test_the_matrix_is_there_and_every_label_is_measured(evals) -> None:  # type
     to close there: 8B concurrent's 16 GiB run is on another machine than two of its runs
     without offload, 7.6 % apart from them by drift alone; 32B concurrent's 16 GiB run was
     lost with its machine in session 9, so its run without offload of that session has no offload
-    run on its machine; session 10 recorded the family again, with a control)."""
+    run on its machine; session 10 recorded the family again, with a control; so did 32B
+    long-context's 48 GiB run in session 11). An offload run is unlabelled where its family
+    has no run without offload on its machine (session 11's 0.6B chat with 21 GiB, on a fresh
+    machine after the one of its run without offload went back)."""
     assert len(evals) >= 12
     metas = {e.run: _meta(MATRIX / e.run) for e in evals}
     for e in evals:
         if e.verified:
             assert e.truth in ("pays", "neutral", "costs"), e.run
+            continue
+        assert e.truth == "unknown" and e.pair_size_bytes is not None, e.run
+        mine = [x for x in evals if x.family == e.family and x.run != e.run]
+        mine = [x for x in mine if matrixkit.same_machine(metas[x.run], metas[e.run])]
+        if e.offload_bytes is not None and e.pair_size_bytes == e.offload_bytes:
+            assert all(x.offload_bytes is not None for x in mine), e.run
         else:
-            assert e.truth == "unknown" and e.pair_size_bytes is not None, e.run
-            sizes = {
-                x.offload_bytes
-                for x in evals
-                if x.family == e.family and matrixkit.same_machine(metas[x.run], metas[e.run])
-            }
-            assert e.pair_size_bytes not in sizes, e.run
+            assert e.pair_size_bytes not in {x.offload_bytes for x in mine}, e.run
 
 
 def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untyped-def]
@@ -84,7 +87,9 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
 
 
 @unmet_goal(
-    "45 of 52 (87 %) since session 10 (40 of 46 before; 89 % of 45 in session 8 with 0.6B "
+    "47 of 54 (87 %) since session 11, whose 0.6B chat family the advisor had not seen (both "
+    "of its verified runs agree); 45 of 52 in session 10 (40 of 46 before; 89 % of 45 in "
+    "session 8 with 0.6B "
     "long-context at 21 GiB told to shrink, a keep, where offload costs 19 %; now it waits: its "
     "balance reaches a cost). One miss is harmful: 0.6B long-context with 7 GiB keeps where "
     "offload costs 9.6 % (test_no_advice_is_harmful). The "
@@ -106,15 +111,19 @@ def test_the_agreement_goal_of_the_issue(evals) -> None:  # type: ignore[no-unty
 
 
 def test_after_enabling_the_cost_measured_without_offload_only_adds_decisions(evals) -> None:  # type: ignore[no-untyped-def]
-    """Each offload run replayed after its run without offload (`replay --prior`, what a
-    running exporter knows after the restart that enables offload: a computed token's cost,
-    and what the same traffic cost the engine before): nothing harmful, the agreement goal
-    holds, no run loses its decision, and a run the window alone could not price gets one."""
+    """Each offload run replayed after its run without offload on its machine (`replay
+    --prior`, what a running exporter knows after the restart that enables offload: a
+    computed token's cost, and what the same traffic cost the engine before): nothing
+    harmful, the agreement goal holds, no run loses its decision, and a run the window alone
+    could not price gets one."""
     s = summary(evals)["after"]
     assert s["harmful"] == []
     assert s["verified"] >= 15 and s["agreement"] >= GOALS["agreement"]
     offload = [e for e in evals if e.after is not None]
-    assert len(offload) == sum(e.offload_bytes is not None for e in evals)
+    metas = {e.run: _meta(MATRIX / e.run) for e in evals}
+    assert len(offload) == sum(
+        matrixkit.base_run(metas, e.run) is not None for e in evals if e.offload_bytes is not None
+    )
     for e in offload:
         assert e.after is not None
         if e.action != "insufficient_data":
@@ -189,7 +198,8 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
 
 
 @unmet_goal(
-    "17 of 40 miss (docs/gpu-acceptance.md): 32B concurrent at 16 GiB from its control, "
+    "17 of 41 miss (docs/gpu-acceptance.md; 0.6B chat at 7 GiB, new in session 11, is within): "
+    "32B concurrent at 16 GiB from its control, "
     "predicted +0.571 s/s, measured +0.446 (28 % high; the same sequence from the replicate, "
     "+0.661 for +0.568, and both at 48 GiB are within); 32B unique at 16 and 48 GiB from both runs "
     "without offload, predicted -0.030 s/s, measured -0.001 to -0.010 (a 32B prefill hides the "

@@ -854,6 +854,33 @@ def test_matrix_paired_truth() -> None:
     assert mk.max_inflight(overlapping) == 3
 
 
+def test_matrix_an_offload_run_pairs_only_on_its_own_machine() -> None:
+    """Session 11: the 21 GiB run landed on a fresh machine after the one that held its run
+    without offload went back. It pairs with nothing, though a run without offload of its
+    family exists; the run on its machine, when there is one, wins over a nearer one
+    elsewhere; runs without offload still compare across machines (the drift)."""
+
+    def meta(start: float, uuid: str, offload: object = None) -> dict[str, object]:
+        return {
+            "pair": "f",
+            "offload": offload,
+            "gpu": {"uuid": uuid},
+            "traffic": {"t_traffic_start": start},
+        }
+
+    metas = {
+        "none": meta(0, "GPU-1"),
+        "cpu64k": meta(200, "GPU-1", {"size_gib": 7}),
+        "cpu192k": meta(1500, "GPU-3", {"size_gib": 21}),
+    }
+    assert mk.base_run(metas, "cpu64k") == "none"
+    assert mk.base_run(metas, "cpu192k") is None
+    metas["none-ctl"] = meta(9000, "GPU-3")
+    metas["none-far"] = meta(1400, "GPU-2")  # nearer in time, another machine
+    assert mk.base_run(metas, "cpu192k") == "none-ctl"
+    assert mk.base_run(metas, "none-ctl") == "none-far"
+
+
 def test_matrix_noise_band_from_two_runs_of_the_same_work_on_one_gpu() -> None:
     """Two offload runs of a family that served the same cached tokens on one GPU differ by
     10 %: a +5 % change of the family is neutral, +12 % costs. The same pair on two GPUs (or

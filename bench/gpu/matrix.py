@@ -909,7 +909,8 @@ def load_requests(d: Path) -> list[dict[str, Any]]:
 
 def truth_table(root: Path) -> dict[str, Any]:
     """Per recording: totals; per pair (same shape, workload, flags): the paired truth; per
-    family, the difference between two of its runs that did the same work (noise)."""
+    family, the difference between two of its runs that did the same work (noise); the
+    offload runs without a run of their family without offload on their machine (unpaired)."""
     runs: dict[str, Any] = {}
     for m in sorted(root.glob("*/meta.json")):
         meta = json.loads(m.read_text())
@@ -922,9 +923,12 @@ def truth_table(root: Path) -> dict[str, Any]:
     noise = mk.family_noise(metas, records)
     pairs: dict[str, Any] = {}
     drift: dict[str, Any] = {}
+    unpaired: list[str] = []
     for name, meta in metas.items():
         base = mk.base_run(metas, name)
         if base is None:
+            if meta.get("offload") is not None:
+                unpaired.append(name)  # no run without offload of its family on its machine
             continue
         truth = mk.paired_truth(
             records[base],
@@ -942,6 +946,7 @@ def truth_table(root: Path) -> dict[str, Any]:
         "pairs": pairs,
         "drift": drift,
         "noise": noise,
+        "unpaired": sorted(unpaired),
     }
 
 

@@ -929,13 +929,20 @@ def base_run(metas: Mapping[str, Mapping[str, Any]], name: str) -> str | None:
     shape, workload and flags: meta "pair"), the one whose traffic started nearest in time.
     A family split across device sessions records its run without offload again as a control
     (scenarios/controls.json, `<run>-ctl`): the offload runs of each session pair with the run
-    of their own machine, and the two runs without offload measure the drift between them."""
+    of their own machine, and the two runs without offload measure the drift between them.
+    An offload run is compared on its own machine only (None where its family has no run
+    without offload there): the same sequence ran up to 28 % slower on one H200 VM than on
+    another, more than most of what offload changes (session 11's 0.6B chat 21 GiB run, on a
+    fresh machine after the one of its run without offload went back, has no base). A run
+    without offload gets the nearest one of any machine: that comparison is the drift."""
     meta = metas[name]
     nones = [
         n
         for n, m in metas.items()
         if m.get("pair") == meta.get("pair") and m.get("offload") is None and n != name
     ]
+    if meta.get("offload") is not None:
+        nones = [n for n in nones if same_machine(metas[n], meta)]
     if not nones:
         return None
     t = traffic_start(meta)
