@@ -14,7 +14,8 @@ summed TTFT by at least 3 %, costs when it adds 3 % or more, neutral in between)
   grow or shrink at the recommended size (*unverified* until a run of that size exists: the
   "close the loop" runs of bench/gpu/scenarios/close-the-loop.json), "leave it off" at the
   best size measured. The truth at size S is the verdict of the family's run with S against
-  its run without offload (the family: the same shape, workload and vLLM flags).
+  its run without offload on its machine (the family: the same shape, workload and vLLM
+  flags; an offload run with no such run is unverified, matrixkit.base_run).
 - Agreement: enable/keep/grow/shrink/raise_store_threshold agree where offload pays (or is
   neutral), no_action/disable where it costs (or is neutral); insufficient_data agrees with
   nothing. Harmful: enable or keep where it costs, disable where it pays, for the settled
