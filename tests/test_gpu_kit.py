@@ -1219,6 +1219,40 @@ def test_matrix_collect_without_a_driver_says_so_at_once(
     assert not out.exists()
 
 
+def test_matrix_collect_packs_each_run_as_it_finishes(tmp_path: Path) -> None:
+    """A run finalized while a collect call waits is in that call's output before the wait is
+    over, so a call cut off at its limit, or a machine that goes back before the next call,
+    keeps it (session 11 lost a 32B run whose traffic ended seconds before the end of a
+    collect that packed only when it returned)."""
+    work = tmp_path / "kvoe-matrix"
+    run = work / "runs" / "s-w-cpu192k"
+    run.mkdir(parents=True)
+    (run / "meta.json").write_text("{}")
+    (work / "daemon.pid").write_text(f"{os.getpid()} matrix.py\n")  # alive, never DONE
+    (work / "status.json").write_text(json.dumps({"runs": {run.name: {"state": "written"}}}))
+    out = tmp_path / "out"
+    collect = threading.Thread(
+        target=matrix.main,
+        args=(["collect", "--work", str(work), "--out", str(out), "--wait-s", "8"],),
+    )
+    collect.start()
+    try:
+        time.sleep(0.5)
+        assert not list(out.glob("runs-*"))
+        (run / "FINAL").write_text("{}\n")
+        deadline = time.monotonic() + 6
+        while not list(out.glob("runs-*.tar")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert collect.is_alive()  # still waiting, and the run is already out
+        tars = list(out.glob("runs-*"))
+        assert [t.name for t in tars] == ["runs-0-0.tar"]
+        with tarfile.open(tars[0]) as tar:
+            assert "s-w-cpu192k/FINAL" in tar.getnames()
+    finally:
+        collect.join()
+    assert [t.name for t in out.glob("runs-*")] == ["runs-0-0.tar"]  # packed once
+
+
 @pytest.mark.parametrize("grace", [0.0, 60.0])
 def test_matrix_collect_waits_for_a_run_being_compressed(tmp_path: Path, grace: float) -> None:
     """A run whose traffic ended as the wait ran out (state "written", FINAL not yet there)

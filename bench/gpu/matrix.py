@@ -18,8 +18,8 @@ turns run one at a time, so no traffic shares the GPU with another run's.
 On the H200 machine (after bench/gpu/device_setup.sh), detached so that it outlives the call:
     PYTHONPATH=/tmp/kvoe-gpu/site:$PWD python3 bench/gpu/matrix.py run --runs A,B,... \
         --work /tmp/kvoe-matrix --deadline-in 1300 --detach
-    python3 bench/gpu/matrix.py collect --work /tmp/kvoe-matrix --out "$OUT" --wait-s 555 \
-        --grace-s 20     # exit 3 at once: no driver here (the machine went back between calls)
+    python3 bench/gpu/matrix.py collect --work /tmp/kvoe-matrix --out "$OUT" --wait-s 570 \
+        --grace-s 15     # exit 3 at once: no driver here (the machine went back between calls)
 Here:
     .venv/bin/python bench/gpu/matrix.py plan --runs A,B,... --budget 1300
     .venv/bin/python bench/gpu/matrix.py show --runs A,B,...
@@ -748,6 +748,10 @@ def cmd_collect(a: argparse.Namespace) -> int:
         return 3
     out.mkdir(parents=True, exist_ok=True)
     until = time.time() + a.wait_s
+    done_file = work / "collected.txt"
+    k = len(list(work.glob("collect-*.stamp")))
+    (work / f"collect-{k}.stamp").write_text(str(time.time()))
+    files = 0
 
     def daemon_alive() -> bool:
         try:
@@ -755,10 +759,52 @@ def cmd_collect(a: argparse.Namespace) -> int:
         except (OSError, ValueError):
             return False
 
+    def pack() -> None:
+        """Pack every finalized run not collected yet, as soon as it is there: what this call
+        already packed comes back even if the call is cut off or the machine goes back before
+        the next one (session 11 lost a 32B run whose traffic ended seconds before a collect
+        that packed only at its end). Each tar is written aside and renamed: a call cut off
+        mid-write leaves a `.part`, never a truncated `runs-*.tar`."""
+        nonlocal files
+        done = set(done_file.read_text().split()) if done_file.exists() else set()
+        ready = sorted(
+            p.parent for p in (work / "runs").glob("*/FINAL") if p.parent.name not in done
+        )
+        batch: list[Path] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal files, size, batch
+            if not batch:
+                return
+            dest = out / f"runs-{k}-{files}.tar"
+            part = dest.with_name(dest.name + ".part")
+            with tarfile.open(part, "w") as tar:
+                for p in batch:
+                    tar.add(p, arcname=p.name)
+            part.replace(dest)
+            print(f"collect: {dest.name} {dest.stat().st_size} bytes: {[p.name for p in batch]}")
+            with done_file.open("a") as fh:
+                fh.write("".join(p.name + "\n" for p in batch))
+            files += 1
+            size, batch = 0, []
+
+        for p in ready:
+            s = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            if batch and size + s > OUT_FILE_LIMIT:
+                flush()
+            if files >= 5:
+                print(f"collect: no room for {p.name} this call")
+                break
+            batch.append(p)
+            size += s
+        flush()
+
     while time.time() < until and not (work / "DONE").exists():
         if not daemon_alive() and pid_file.exists():
             print("collect: the driver is not running")
             break
+        pack()
         time.sleep(2)
     # A run whose traffic is over is being compressed (state "written", no FINAL yet): wait
     # up to --grace-s for it rather than leave it to a next call, which may find a fresh
@@ -766,38 +812,7 @@ def cmd_collect(a: argparse.Namespace) -> int:
     grace_until = time.time() + a.grace_s
     while time.time() < grace_until and _finalizing(work):
         time.sleep(1)
-    done_file = work / "collected.txt"
-    done = set(done_file.read_text().split()) if done_file.exists() else set()
-    ready = sorted(p.parent for p in (work / "runs").glob("*/FINAL") if p.parent.name not in done)
-    k = len(list(work.glob("collect-*.stamp")))
-    (work / f"collect-{k}.stamp").write_text(str(time.time()))
-    files, size = 0, 0
-    batch: list[Path] = []
-
-    def flush() -> None:
-        nonlocal files, size, batch
-        if not batch:
-            return
-        dest = out / f"runs-{k}-{files}.tar"
-        with tarfile.open(dest, "w") as tar:
-            for p in batch:
-                tar.add(p, arcname=p.name)
-        print(f"collect: {dest.name} {dest.stat().st_size} bytes: {[p.name for p in batch]}")
-        with done_file.open("a") as fh:
-            fh.write("".join(p.name + "\n" for p in batch))
-        files += 1
-        size, batch = 0, []
-
-    for p in ready:
-        s = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-        if batch and size + s > OUT_FILE_LIMIT:
-            flush()
-        if files >= 5:
-            print(f"collect: no room for {p.name} this call")
-            break
-        batch.append(p)
-        size += s
-    flush()
+    pack()
     for f in ("status.json", "daemon.log"):
         if (work / f).exists():
             shutil.copy(work / f, out / f)
