@@ -1233,7 +1233,7 @@ def test_matrix_collect_packs_each_run_as_it_finishes(tmp_path: Path) -> None:
     out = tmp_path / "out"
     collect = threading.Thread(
         target=matrix.main,
-        args=(["collect", "--work", str(work), "--out", str(out), "--wait-s", "8"],),
+        args=(["collect", "--work", str(work), "--out", str(out), "--wait-s", "12"],),
     )
     collect.start()
     try:
@@ -1248,9 +1248,25 @@ def test_matrix_collect_packs_each_run_as_it_finishes(tmp_path: Path) -> None:
         assert [t.name for t in tars] == ["runs-0-0.tar"]
         with tarfile.open(tars[0]) as tar:
             assert "s-w-cpu192k/FINAL" in tar.getnames()
+        # A second run joins the same tar: $OUT takes 8 files a call, so runs are not one tar
+        # each.
+        later = work / "runs" / "s-w-none"
+        later.mkdir()
+        (later / "FINAL").write_text("{}\n")
+        deadline = time.monotonic() + 6
+        names: list[str] = []
+        while "s-w-none/FINAL" not in names and time.monotonic() < deadline:
+            time.sleep(0.2)
+            with tarfile.open(out / "runs-0-0.tar") as tar:
+                names = tar.getnames()
+        assert "s-w-none/FINAL" in names and collect.is_alive()
     finally:
         collect.join()
-    assert [t.name for t in out.glob("runs-*")] == ["runs-0-0.tar"]  # packed once
+    assert [t.name for t in out.glob("runs-*")] == ["runs-0-0.tar"]  # no `.part` left
+    with tarfile.open(out / "runs-0-0.tar") as tar:
+        assert {"s-w-cpu192k/FINAL", "s-w-none/FINAL"} <= set(tar.getnames())
+    collected = (work / "collected.txt").read_text().split()
+    assert sorted(collected) == ["s-w-cpu192k", "s-w-none"]  # each run once
 
 
 @pytest.mark.parametrize("grace", [0.0, 60.0])

@@ -751,7 +751,11 @@ def cmd_collect(a: argparse.Namespace) -> int:
     done_file = work / "collected.txt"
     k = len(list(work.glob("collect-*.stamp")))
     (work / f"collect-{k}.stamp").write_text(str(time.time()))
-    files = 0
+    # $OUT takes at most 8 files a call: status.json, daemon.log, env.tar.xz and 5 tars.
+    files = 0  # tars closed (full) this call
+    current: list[Path] = []  # the runs of the tar being filled, runs-<k>-<files>.tar
+    current_size = 0
+    no_room: set[str] = set()
 
     def daemon_alive() -> bool:
         try:
@@ -763,42 +767,35 @@ def cmd_collect(a: argparse.Namespace) -> int:
         """Pack every finalized run not collected yet, as soon as it is there: what this call
         already packed comes back even if the call is cut off or the machine goes back before
         the next one (session 11 lost a 32B run whose traffic ended seconds before a collect
-        that packed only at its end). Each tar is written aside and renamed: a call cut off
-        mid-write leaves a `.part`, never a truncated `runs-*.tar`."""
-        nonlocal files
+        that packed only at its end). A run joins the tar being filled, rewritten with it, up
+        to OUT_FILE_LIMIT, so the call returns as few tars as when it packed at its end; each
+        tar is written aside and renamed: a call cut off mid-write leaves a `.part`, never a
+        truncated `runs-*.tar`."""
+        nonlocal files, current, current_size
         done = set(done_file.read_text().split()) if done_file.exists() else set()
         ready = sorted(
             p.parent for p in (work / "runs").glob("*/FINAL") if p.parent.name not in done
         )
-        batch: list[Path] = []
-        size = 0
-
-        def flush() -> None:
-            nonlocal files, size, batch
-            if not batch:
-                return
+        for p in ready:
+            s = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            if current and current_size + s > OUT_FILE_LIMIT:
+                files, current, current_size = files + 1, [], 0
+            if files >= 5:
+                if p.name not in no_room:
+                    no_room.add(p.name)
+                    print(f"collect: no room for {p.name} this call")
+                continue
+            current.append(p)
+            current_size += s
             dest = out / f"runs-{k}-{files}.tar"
             part = dest.with_name(dest.name + ".part")
             with tarfile.open(part, "w") as tar:
-                for p in batch:
-                    tar.add(p, arcname=p.name)
+                for q in current:
+                    tar.add(q, arcname=q.name)
             part.replace(dest)
-            print(f"collect: {dest.name} {dest.stat().st_size} bytes: {[p.name for p in batch]}")
+            print(f"collect: {dest.name} {dest.stat().st_size} bytes: {[q.name for q in current]}")
             with done_file.open("a") as fh:
-                fh.write("".join(p.name + "\n" for p in batch))
-            files += 1
-            size, batch = 0, []
-
-        for p in ready:
-            s = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-            if batch and size + s > OUT_FILE_LIMIT:
-                flush()
-            if files >= 5:
-                print(f"collect: no room for {p.name} this call")
-                break
-            batch.append(p)
-            size += s
-        flush()
+                fh.write(p.name + "\n")
 
     while time.time() < until and not (work / "DONE").exists():
         if not daemon_alive() and pid_file.exists():
