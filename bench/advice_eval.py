@@ -18,9 +18,11 @@ summed TTFT by at least 3 %, costs when it adds 3 % or more, neutral in between)
   flags; an offload run with no such run is unverified, matrixkit.base_run).
 - Agreement: enable/keep/grow/shrink/raise_store_threshold agree where offload pays (or is
   neutral), no_action/disable where it costs (or is neutral); insufficient_data agrees with
-  nothing. Harmful: enable or keep where it costs, disable where it pays, for the settled
-  advice at the end and at any time before it (an operator acts on what the exporter says
-  when it says it). Swinging: the settled action going back to one it had left.
+  nothing. Harmful: a pays-side action (enable, keep, grow, shrink, raise_store_threshold)
+  where it costs at the size it speaks of, disable where it pays, for the settled advice at
+  the end and at any time before it (an operator acts on what the exporter says when it says
+  it); settled advice at a size the family has no run of is listed as unmeasured. Swinging:
+  the settled action going back to one it had left.
 - Prediction: for a run without offload, the advisor's predicted TTFT saving at every size
   its family measured (the what-if, `ttft_saved_seconds_per_second`) against the saving
   measured when that size was enabled on the same sequence; within 25 % or 0.02 s/s,
@@ -112,6 +114,9 @@ class RunEval:
     # that swings tells an operator nothing.
     swings: int = 0
     after: After | None = None  # offload runs: replayed after their run without offload
+    # Settled advice about a size the family has no run of: neither harmful nor agreeing, so
+    # it is listed (first time, action, size) rather than silently left out of both counts.
+    unmeasured: tuple[tuple[float, str, float], ...] = ()
 
 
 def _requests(run: Path) -> list[dict[str, Any]]:
@@ -145,9 +150,10 @@ def _judge(action: str, truth: str, verified: bool) -> tuple[bool, bool]:
     agrees = (pays_side and truth in ("pays", "neutral")) or (
         costs_side and truth in ("costs", "neutral")
     )
-    harmful = (action in ("enable_offload", "keep") and truth == "costs") or (
-        action == "disable_offload" and truth == "pays"
-    )
+    # The issue's "never harmful": no enable or keep where offload costs at the size in
+    # question, no grow where the larger size costs; a shrink keeps the tier at the smaller
+    # size, and raising the store threshold keeps it too.
+    harmful = (pays_side and truth == "costs") or (action == "disable_offload" and truth == "pays")
     return agrees, harmful
 
 
@@ -303,7 +309,7 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
         verdict_3pct = str(t["verdict_3pct"]) if t is not None else "unknown"
         measured = t.get("ttft_saved_s_per_s") if t is not None else None
         agrees, harmful = _judge(action, verdict, t is not None)
-        harmful_at, settled = _timeline(rp.timeline, own, measured_at)
+        harmful_at, settled, unmeasured = _timeline(rp.timeline, own, measured_at)
         predictions: list[Prediction] = []
         if own is None and measured_at and rp.curve is not None:
             for size in sorted(measured_at):
@@ -347,6 +353,7 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                 tuple(harmful_at),
                 _swings(settled),
                 after,
+                tuple(unmeasured),
             )
         )
     return sorted(out, key=lambda e: e.run)
@@ -354,12 +361,14 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
 
 def _timeline(
     timeline: Sequence[Step], own: float | None, measured_at: dict[float, dict[str, Any]]
-) -> tuple[list[float], list[str]]:
-    """When a settled advice was harmful at the size it spoke about, and the settled actions
-    in order (repeats collapsed). An operator acts on any settled advice, not only on the
+) -> tuple[list[float], list[str], list[tuple[float, str, float]]]:
+    """When a settled advice was harmful at the size it spoke about, the settled actions in
+    order (repeats collapsed), and the first time each (action, size) was settled at a size
+    no run of the family measured. An operator acts on any settled advice, not only on the
     last one: a harmful action settled for a few cycles mid-run counts as harmful too."""
     harmful_at: list[float] = []
     settled: list[str] = []
+    unmeasured: list[tuple[float, str, float]] = []
     for step in timeline:
         if step.action == "insufficient_data" or step.pending_action is not None:
             continue
@@ -369,7 +378,14 @@ def _timeline(
         then = measured_at.get(size) if size is not None else None
         if then is not None and _judge(step.action, str(then["verdict"]), True)[1]:
             harmful_at.append(step.t)
-    return harmful_at, settled
+        if (
+            size is not None
+            and then is None
+            and measured_at
+            and not any(a == step.action and b == size for _, a, b in unmeasured)
+        ):
+            unmeasured.append((step.t, step.action, size))
+    return harmful_at, settled, unmeasured
 
 
 def _after(rp: _Replay, base: str, own: float, measured_at: dict[float, dict[str, Any]]) -> After:
@@ -377,7 +393,7 @@ def _after(rp: _Replay, base: str, own: float, measured_at: dict[float, dict[str
     about = _about(own, rp.action, rp.recommended_buffer_bytes, measured_at)
     t = measured_at.get(about) if about is not None else None
     agrees, harmful = _judge(rp.action, str(t["verdict"]) if t else "unknown", t is not None)
-    harmful_at, _ = _timeline(rp.timeline, own, measured_at)
+    harmful_at, _, _ = _timeline(rp.timeline, own, measured_at)
     return After(base, rp.action, rp.reason, t is not None, agrees, harmful or bool(harmful_at))
 
 
@@ -398,6 +414,9 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         "harmful": [e.run for e in evals if e.harmful or e.harmful_at_s],
         "harmful_3pct": [e.run for e in evals if e.harmful_3pct],
         "swinging": [e.run for e in evals if e.swings],
+        "unmeasured": [
+            f"{e.run}: {a} {_gib(b)} at {t:.0f} s" for e in evals for t, a, b in e.unmeasured
+        ],
         "decided": len(in_time) / len(evals) if evals else None,
         "predictions": len(predictions),
         "predictions_ok": sum(bool(p.ok) for p in predictions),
@@ -494,7 +513,9 @@ def markdown(evals: Sequence[RunEval]) -> str:
         f"{', '.join(s['harmful']) or 'none'} (at a flat 3 %, the noise ignored: "
         f"{', '.join(s['harmful_3pct']) or 'none'}); settled advice swinging back to an action "
         f"it left: {', '.join(s['swinging']) or 'none'}; predicted saving within 25 %, 0.02 s/s "
-        f"or the family's noise of the measured one: {s['predictions_ok']} of {s['predictions']}.",
+        f"or the family's noise of the measured one: {s['predictions_ok']} of {s['predictions']}; "
+        f"settled at a size no run of the family measured (neither agreeing nor harmful): "
+        f"{'; '.join(s['unmeasured']) or 'none'}.",
         "",
         f"Offload runs replayed after their run without offload (`replay --prior`): agreement "
         f"{after_agreement} of {after['verified']} verified; harmful: "
