@@ -53,9 +53,10 @@ class OffloadBalance:
         """TTFT the window's traffic saved through offload (negative: offload cost)."""
         return self.saved_seconds - self.store_seconds
 
-    def share(self, z: float = 0.0) -> float | None:
-        """Net saving (shifted by z standard errors) over the TTFT without offload."""
-        net = self.net_seconds + z * self.stderr_seconds
+    def share(self, z: float = 0.0, store_factor: float = 1.0) -> float | None:
+        """Net saving (shifted by z standard errors, the stores charged at store_factor
+        times store_seconds) over the TTFT the traffic would have had without offload."""
+        net = self.saved_seconds - store_factor * self.store_seconds + z * self.stderr_seconds
         without = self.ttft_seconds + net
         if without <= 0:
             return None
