@@ -35,9 +35,8 @@ class Thresholds:
     # keep or resize must be proven from the window alone. The balance charges the copy time
     # (factor 1); on the H200 runs whose requests barely overlapped (0.6B and 8B long
     # context), storing raised a computed token's prefill cost by 0.9-2.0x its copy time
-    # (bench/store_cost.py).
-    # The balance must still save at its lower end with the stores at this factor: a
-    # cheaper store only delays a keep, a dearer one would make it harmful.
+    # (bench/store_cost.py). The balance must still save at its lower end with the stores at
+    # this factor: a cheaper store only delays a keep, a dearer one would make it harmful.
     store_cost_factor_max: float = 2.0
     # Pinned pool + the rest of the container against its memory limit: pinned memory is
     # never swapped or reclaimed, so the OOM killer is the failure mode.

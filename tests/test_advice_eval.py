@@ -26,6 +26,7 @@ from bench.advice_eval import (
     matrixkit,
     summary,
 )
+from exporter.replay import Step
 
 GIB = 1 << 30
 
@@ -80,8 +81,7 @@ def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untype
 
 def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no-untyped-def]
     """Where the advice settles on an action and a run of its size exists, it agrees with the
-    truth: the runs that miss the agreement goal are the ones without a decision and the
-    known harmful one (test_no_advice_is_harmful)."""
+    truth: the runs that miss the agreement goal are the ones without a decision."""
     for e in evals:
         if e.verified and e.action != "insufficient_data":
             assert e.agrees, (e.run, e.action, e.truth)
@@ -159,7 +159,6 @@ def test_settled_advice_does_not_swing_back(evals) -> None:  # type: ignore[no-u
 def test_advice_settled_at_a_size_no_run_measured_is_listed() -> None:
     """A shrink to a size the family has no run of is neither harmful nor agreeing: it is
     listed with its first time, and a harmful one at a measured size is still caught."""
-    from exporter.replay import Step
 
     def step(t: float, action: str, rec: float | None = None) -> Step:
         return Step(t, "t", "m", "0", action, "r", rec, None)
