@@ -99,7 +99,7 @@ def test_server_env_sets_the_side_channel_and_only_the_variants_ucx_settings():
     assert envs["decode"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"  # 5600 for both would clash
     for env in envs.values():
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
-        assert env["UCX_TLS"] == "cuda_ipc,cuda_copy,sm,self"
+        assert env["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp,self"  # sm: no peer failure handler
         assert env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
         assert "UCX_NET_DEVICES" not in env  # inherited UCX settings are dropped
         assert env["PYTHONPATH"] == "/site"

@@ -110,6 +110,13 @@ class Variant:
 # UCX_PROTO_INFO=y: UCX logs the protocol it picks per operation ("remote memory read by
 # ucp_get* ... cuda_ipc/cuda" or "... software emulation | tcp/..."), the evidence of the path.
 _UCX_LOG = {"UCX_PROTO_INFO": "y"}
+# The transports of the cuda_ipc variants: cuda_ipc carries the KV, cuda_copy the staging
+# NIXL 1.5 insists on, and tcp the active messages (wire-up, notifications). Not sm: NIXL's
+# UCX backend asks for peer error handling, which no shared-memory transport offers, so with
+# "cuda_ipc,cuda_copy,sm,self" the agent fails on the H200 ("select.c:722 UCX ERROR no active
+# messages transport to <no debug data>: self/memory - no peer failure handler, sysv/memory -
+# no peer failure handler, posix/memory - no peer failure handler, ...", 2026-12-03).
+IPC_TLS = "cuda_ipc,cuda_copy,tcp,self"
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
@@ -119,7 +126,7 @@ VARIANTS: dict[str, Variant] = {
             "cuda",
             {
                 **_UCX_LOG,
-                "UCX_TLS": "cuda_ipc,cuda_copy,sm,self",
+                "UCX_TLS": IPC_TLS,
                 # UCX disables cuda_ipc GET (what the pull connector's READ uses) on GPUs
                 # without active NVLinks; a single-GPU VM reports none.
                 "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
@@ -138,7 +145,7 @@ VARIANTS: dict[str, Variant] = {
             "push",
             "NixlPushConnector",
             "cuda",
-            {**_UCX_LOG, "UCX_TLS": "cuda_ipc,cuda_copy,sm,self"},
+            {**_UCX_LOG, "UCX_TLS": IPC_TLS},
             "WRITE over cuda_ipc (put_zcopy is enabled without NVLink)",
         ),
         Variant(
@@ -1234,7 +1241,7 @@ def run_probe(args: argparse.Namespace) -> int:
         "ucx-default": dict(_UCX_LOG),
         "ipc-get-on": {
             **_UCX_LOG,
-            "UCX_TLS": "cuda_ipc,cuda_copy,sm,self",
+            "UCX_TLS": IPC_TLS,
             "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
         },
     }
