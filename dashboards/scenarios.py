@@ -19,10 +19,12 @@ gpu      recorded H200 runs with everything on (tests/fixtures/gpu/small-b-graph
          only the families the current one cannot compute without the H200 host (NVML,
          /proc, cgroup collectors).
 backends the KV transfer backends (docs/backends.md): recorded vLLM 0.26 H200 runs (the fs
-         tiering spec; the 32B shape without offload as the prefill engine beside the NIXL
-         decode engines) and vLLM 0.32 tiering, simple offload and NIXL expositions plus
-         LMCache's, synthesized from the upstream definitions (tests/fixtures/backends/),
-         41 scrapes 15 s apart through one real exporter, backfilled next to the raw series.
+         tiering spec; the 32B shape without offload as a prefill engine; two real
+         disaggregated prefill/decode pairs of the 32B shape with NixlConnector on one H200,
+         KV read over TCP emulation and over cuda_ipc, tests/fixtures/nixl/) and vLLM 0.32
+         tiering, simple offload and NIXL (failures, RDMA) expositions plus LMCache's,
+         synthesized from the upstream definitions (tests/fixtures/backends/), up to 41
+         scrapes 15 s apart through one real exporter, backfilled next to the raw series.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 
 from dashboards.spec import Scenario
 from exporter.config import Config, add_arguments, load_config
-from exporter.recording import read_kv_events
+from exporter.recording import read_kv_events, read_meta, read_scrapes
 from testbed import backfill
 from testbed.exporter_proc import ExporterProcess
 from testbed.procs import http_get
@@ -108,19 +110,35 @@ BACKENDS_DIR = REPO / "tests" / "fixtures" / "backends"
 BACKEND_TARGETS: dict[str, tuple[str, float | None]] = {
     "tiering-032:8000": ("vllm-0.32-tiering", None),
     "simple-032:8000": ("vllm-0.32-simple", None),
+    # Synthesized: the only NIXL data with failed transfers and an RDMA link.
     "nixl-rdma-032:8000": ("vllm-0.32-nixl-rdma", None),
-    "nixl-tcp-032:8000": ("vllm-0.32-nixl-tcp", None),
     "lmcache:8000": ("lmcache-v1-tp2", None),
     "h200-tier:8000": ("small-tier", 114_688.0),
     "h200-prefill-32b:8000": ("large-a", 262_144.0),
 }
 
 
-def _recorded_bodies(config: str, n: int) -> list[str]:
-    """n of a recorded run's 1 s /metrics bodies, evenly spaced, first and last included."""
-    bodies = [body for _, body in _recorded(config, "vllm")]
+# Real disaggregated runs on one H200 (vLLM 0.26, the 32B shape): target -> recording of one
+# engine. pull-default READs the KV over TCP emulation (the slow link, speedup < 1), pull-ipc
+# over cuda_ipc (the fast one); the decode engine counts the transfers.
+NIXL_RUNS = REPO / "tests" / "fixtures" / "nixl" / "h200-2026-12-03"
+NIXL_TARGETS: dict[str, Path] = {
+    "h200-nixl-tcp-prefill:8000": NIXL_RUNS / "large-pull-default" / "prefill",
+    "h200-nixl-tcp-decode:8000": NIXL_RUNS / "large-pull-default" / "decode",
+    "h200-nixl-ipc-prefill:8000": NIXL_RUNS / "large-pull-ipc-r64" / "prefill",
+    "h200-nixl-ipc-decode:8000": NIXL_RUNS / "large-pull-ipc-r64" / "decode",
+}
+
+
+def _evenly_chosen(bodies: list[str], n: int) -> list[str]:
+    """n of the bodies, evenly spaced, first and last included."""
     n = min(n, len(bodies))
     return [bodies[round(i * (len(bodies) - 1) / (n - 1))] for i in range(n)]
+
+
+def _recorded_bodies(config: str, n: int) -> list[str]:
+    """n of a recorded run's 1 s /metrics bodies, evenly spaced, first and last included."""
+    return _evenly_chosen([body for _, body in _recorded(config, "vllm")], n)
 
 
 def _recorded(config: str, source: str) -> list[backfill.Scrape]:
@@ -143,6 +161,14 @@ def backends_series(end: float) -> list[backfill.Series]:
             texts = _recorded_bodies(name, OFFLOAD_STEPS + 1)
         scrapes = backfill.evenly(texts, end, OFFLOAD_STEP)
         series.append(backfill.Series("vllm", target, scrapes))
+        recordings.append(backfill.Recording(target, scrapes, kv_bytes_per_token=bpt))
+    for target, recording in NIXL_TARGETS.items():
+        # 1 s scrapes laid 15 s apart like the rest: the transfer bandwidth and the speedup
+        # are ratios of counters and keep their values; per-second rates do not.
+        bodies = [s.body for s in read_scrapes(recording) if s.body]
+        scrapes = backfill.evenly(_evenly_chosen(bodies, OFFLOAD_STEPS + 1), end, OFFLOAD_STEP)
+        series.append(backfill.Series("vllm", target, scrapes))
+        bpt = read_meta(recording).kv_bytes_per_token
         recordings.append(backfill.Recording(target, scrapes, kv_bytes_per_token=bpt))
     series.append(backfill.run_exporter(recordings, interval=OFFLOAD_STEP, window=600.0))
     return series

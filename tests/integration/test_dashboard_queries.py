@@ -25,6 +25,7 @@ from dashboards.grafana import Emulator, TargetResult
 from dashboards.panels import DASHBOARDS
 from dashboards.scenarios import Data
 from dashboards.spec import Dashboard, Panel, Scenario
+from exporter.recording import read_scrapes
 from exporter.thresholds import DEFAULT as THRESHOLDS
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
@@ -386,3 +387,64 @@ def test_backend_rows_stay_empty_without_their_backend(offload_data: Data) -> No
             if any(r.series for r in emu.run_panel(panel, emu.all_chosen())):
                 shown.append(panel["title"])
     assert not shown, f"backend panels with data although no engine runs the backend: {shown}"
+
+
+def _panel(dash: Dashboard, key: str) -> Mapping[str, Any]:
+    title = next(p.title for p in dash.panels() if p.key == key)
+    return next(p for p in graph_panels(DOCS[dash.uid]) if p["title"] == title)
+
+
+def _last_by_target(results: Sequence[TargetResult]) -> dict[str, float]:
+    out = {}
+    for r in results:
+        for s in r.series:
+            value = s["value"][1] if "value" in s else s["values"][-1][1]
+            out[s["metric"]["target"]] = float(value)
+    return out
+
+
+def test_nixl_panels_show_the_real_h200_runs(backends_data: Data) -> None:
+    """The NIXL row on the two real 32B prefill/decode pairs of one H200
+    (scenarios.NIXL_TARGETS): the bandwidth panel shows, for the engine that counted the
+    transfers, vLLM's delta bytes over delta transfer time of the recording (its first and
+    last scrapes are in the scenario); no failure; one KV path per engine; and the speedup
+    panel puts the pair whose KV went over TCP emulation below 1 and the cuda_ipc pair
+    above, as the UCX tables of the runs say (tests/test_nixl_h200.py checks the
+    speedup's value)."""
+    (dash,) = [
+        d for d in BACKEND_DASHBOARDS if any(p.key.startswith("transfers.nixl") for p in d.panels())
+    ]
+    emu = emulator(backends_data, DOCS[dash.uid])
+    chosen = emu.all_chosen()
+    shown = {
+        key: _last_by_target(emu.run_panel(_panel(dash, f"transfers.nixl_{key}"), chosen))
+        for key in ("bandwidth", "speedup", "failures")
+    }
+    links = {
+        s["metric"]["target"]
+        for r in emu.run_panel(_panel(dash, "transfers.nixl_link"), chosen)
+        for s in r.series
+    }
+    for target, recording in scenarios.NIXL_TARGETS.items():
+        bodies = [s.body for s in read_scrapes(recording) if s.body]
+
+        def total(body: str, name: str) -> float:
+            return sum(
+                float(x.rpartition(" ")[2]) for x in body.splitlines() if x.startswith(name + "{")
+            )
+
+        moved = total(bodies[-1], "vllm:nixl_bytes_transferred_sum") - total(
+            bodies[0], "vllm:nixl_bytes_transferred_sum"
+        )
+        seconds = total(bodies[-1], "vllm:nixl_xfer_time_seconds_sum") - total(
+            bodies[0], "vllm:nixl_xfer_time_seconds_sum"
+        )
+        assert target in links and shown["failures"].get(target) == 0.0, target
+        if seconds == 0:
+            assert target not in shown["bandwidth"], target  # the prefill engine of a pull pair
+            continue
+        assert shown["bandwidth"][target] == pytest.approx(moved / seconds, rel=1e-6), target
+        ucx = (recording.parent / "ucx.txt").read_text()
+        kv_read = ucx.split("remote memory read by ucp_get*(multi) into cuda", 1)[1]
+        row = next(x for x in kv_read.splitlines() if x.startswith("| 0..inf"))
+        assert (shown["speedup"][target] < 1) == ("software emulation" in row), target
