@@ -93,10 +93,12 @@ collectors). Backfilled at their recorded times moved to now (1 s apart), so rat
 runs' own. Proven with every variable on *All* and narrowed to one value each |
 | backends | the KV transfer backends (docs/backends.md): the recorded H200 runs with vLLM \
 0.26 of the tiering spec (`tests/fixtures/gpu/small-tier`) and of the 32B shape without \
-offload (`large-a`, the prefill engine), and vLLM 0.32 tiering, SimpleCPUOffloadConnector \
-and NIXL expositions plus LMCache's, synthesized from the upstream metric definitions \
-(`tests/fixtures/backends/`), 41 scrapes 15 s apart through one real exporter, backfilled. \
-Proven with every variable on *All* |
+offload (`large-a`), two real disaggregated prefill/decode pairs of the 32B shape with \
+NixlConnector on one H200 (KV read over TCP emulation and over cuda_ipc, \
+`tests/fixtures/nixl/h200-2026-12-03/`), and vLLM 0.32 tiering, SimpleCPUOffloadConnector \
+and NIXL (failed transfers, RDMA link) expositions plus LMCache's, synthesized from the \
+upstream metric definitions (`tests/fixtures/backends/`), up to 41 scrapes 15 s apart \
+through one real exporter, backfilled. Proven with every variable on *All* |
 
 ## Previews
 
