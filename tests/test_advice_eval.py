@@ -88,10 +88,11 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
 
 
 @unmet_goal(
-    "48 of 58 (83 %) since session 12, all ten misses runs without a decision, none harmful: "
+    "49 of 60 (82 %) since session 13, all eleven misses runs without a decision, none harmful: "
     "the 0.6B chat pair with 21 GiB on one machine (costs 28 %) labels that size, and its run "
     "and session 11's have no decision (a loaded token's saving 13.5 +- 18.4 and 7.9 +- 15.6 "
-    "us); 0.6B long-context with 7 GiB (kept, harmful, until session 12) and 32B rag-zipf with "
+    "us); 0.6B long-context with 7 GiB, twice (kept, harmful, until session 12; session 13 "
+    "measured the pair again on another machine: costs 9.1 %) and 32B rag-zipf with "
     "16 GiB (kept; pays 4.5 %) wait since store_cost_factor_max: at twice the store copy time "
     "their balance reaches a cost (docs/advisor.md); 0.6B long-context with 21 GiB (the "
     "balance between -1 % and +10 %); 8B chat with 16 and 27 GiB and 32B chat with 48 GiB "
@@ -99,9 +100,10 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
     "new tokens, so no interval separates a computed token's cost from the per-request cost); "
     "0.6B concurrent with 21 GiB (offload slowed the requests that loaded nothing too, 33 %, "
     "which no per-token fit of the window sees); 0.6B concurrent without offload "
-    "(speedup_uncertain: a computed token costs 9 +- 15 us). 47 of 54 in session 11, 45 of 52 "
-    "in session 10. Replayed after their run without offload (the next test), six of the "
-    "eight offload runs without a decision that have one decide, agreeing (8B chat with 27 GiB "
+    "(speedup_uncertain: a computed token costs 9 +- 15 us). 48 of 58 in session 12, 47 of 54 "
+    "in session 11, 45 of 52 in session 10. Replayed after their run without offload (the "
+    "next test), seven of the nine offload runs without a decision that have one decide, "
+    "agreeing (8B chat with 27 GiB "
     "and 32B rag-zipf with 16 GiB still wait); session 11's 0.6B chat run with 21 GiB has "
     "none on its machine",
 )
@@ -213,8 +215,8 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
 
 
 @unmet_goal(
-    "17 of 43 miss (docs/gpu-acceptance.md; 0.6B chat at 7 and 21 GiB and 32B long-context at "
-    "48 GiB, new in sessions 11-12, are within): "
+    "17 of 44 miss (docs/gpu-acceptance.md; 0.6B chat at 7 and 21 GiB, 32B long-context at "
+    "48 GiB and 0.6B long-context at 7 GiB again, new in sessions 11-13, are within): "
     "32B concurrent at 16 GiB from its control, "
     "predicted +0.571 s/s, measured +0.446 (28 % high; the same sequence from the replicate, "
     "+0.661 for +0.568, and both at 48 GiB are within); 32B unique at 16 and 48 GiB from both runs "
