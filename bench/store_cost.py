@@ -16,6 +16,16 @@ the exporter's own fits (exporter/model/derive/fits.py) on the scrape intervals 
 metrics.jsonl. A ratio is only as good as the two slopes: it is printed where both are
 significant and the rise exceeds its own error, "-" elsewhere. Results: docs/advisor.md
 ("Its limit").
+
+Why the run alone cannot measure that rise: with offload on, nearly every computed token is
+stored in the same interval, so no interval computes without storing. The last two columns
+say so per run: the stored share of the computed tokens and the correlation of stored and
+computed tokens across the scrape intervals. And why no fixed factor on the copy time repairs
+the balance (`--sweep`): per factor k, the balance's decision on every paired offload run
+against its measured truth, and each shape's decisions at the factor the other two shapes
+would choose:
+
+    .venv/bin/python -m bench.store_cost --sweep
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter import expfmt
+from exporter.model.derive.balance import OffloadBalance, offload_balance
 from exporter.model.derive.fits import offload_fit, prefill_fit
 from exporter.vllm_metrics import WANTED, normalise
 
@@ -50,6 +61,7 @@ KEYS = (
     "store_seconds",
     "prefill_requests",
     "prefill_seconds",
+    "store_bytes",
 )
 MIN_POINTS = 10  # the exporter's default min_fit_points
 
@@ -92,6 +104,10 @@ class Row:
     prefill_computed_us: float | None = None
     prefill_with_store_us: float | None = None
     prefill_ratio: float | None = None
+    # Stored over computed tokens, and their correlation across the scrape intervals: near 1
+    # and 1, the stores' cost is inseparable from the computing within the run.
+    stored_share: float | None = None
+    stored_correlation: float | None = None
 
     def cells(self) -> list[str]:
         def us(x: float | None, e: float | None) -> str:
@@ -108,6 +124,8 @@ class Row:
             "-" if self.ratio is None else f"{self.ratio:.1f}",
             us(self.prefill_computed_us, None) + " / " + us(self.prefill_with_store_us, None),
             "-" if self.prefill_ratio is None else f"{self.prefill_ratio:.1f}",
+            "-" if self.stored_share is None else f"{self.stored_share:.2f}",
+            "-" if self.stored_correlation is None else f"{self.stored_correlation:.2f}",
         ]
 
 
@@ -131,9 +149,25 @@ def _rise(
     return b0, b0_se, b, b_se, ratio
 
 
+def _correlation(x: Sequence[float], y: Sequence[float]) -> float | None:
+    n = len(x)
+    if n < 3:
+        return None
+    mx, my = sum(x) / n, sum(y) / n
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True))
+    sxx = sum((a - mx) ** 2 for a in x)
+    syy = sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
 def measure(run: Path, base: Path) -> Row:
     b_int, o_int = _intervals(base), _intervals(run)
     computed = sum(d[COMPUTED] for d in o_int)
+    kv_bytes = json.loads((run / "meta.json").read_text()).get("kv_bytes_per_token")
+    share = corr = None
+    if isinstance(kv_bytes, int | float) and kv_bytes > 0 and computed > 0:
+        share = sum(d["store_bytes"] for d in o_int) / kv_bytes / computed
+        corr = _correlation([d[COMPUTED] for d in o_int], [d["store_bytes"] for d in o_int])
     copy = sum(d["store_seconds"] for d in o_int) / computed if computed > 0 else None
     b0, b0_se, b, b_se, ratio = _rise(b_int, o_int, "ttft_requests", "ttft_seconds", copy)
     p0, _, p, _, p_ratio = _rise(b_int, o_int, "prefill_requests", "prefill_seconds", copy)
@@ -153,6 +187,8 @@ def measure(run: Path, base: Path) -> Row:
         us(p0),
         us(p),
         p_ratio,
+        share,
+        corr,
     )
 
 
@@ -180,9 +216,134 @@ def table(rs: Sequence[Row]) -> str:
         "rise / copy",
         "prefill time: computed token without / with offload (us)",
         "rise / copy",
+        "stored / computed tokens",
+        "correlation per interval",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r.cells()) + " |" for r in rs]
+    return "\n".join(lines)
+
+
+# Store cost factors tried: from the copy time itself to twice the largest TTFT rise over it
+# that bench.store_cost measured where requests barely overlap.
+FACTORS = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
+Z = 2.0  # standard errors either side, as the advisor's keep takes the lower end
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    run: str
+    shape: str
+    truth: str  # pays, neutral or costs: the paired truth in the family's band
+    balance: OffloadBalance | None  # the window alone: the exporter's own fit and balance
+
+
+def decide(bal: OffloadBalance | None, factor: float) -> str:
+    """The balance's decision with stores at `factor` times their copy time: pays where its
+    lower end saves at least the truth's 3 %, costs where its upper end saves less (turning
+    offload off loses nothing measurable), else wait."""
+    if bal is None:
+        return "wait"
+    lo, hi = bal.share(-Z, factor), bal.share(Z, factor)
+    if lo is not None and lo >= matrixkit.TRUTH_THRESHOLD:
+        return "pays"
+    if hi is not None and hi < matrixkit.TRUTH_THRESHOLD:
+        return "costs"
+    return "wait"
+
+
+def score(js: Sequence[Judged], factor: float) -> dict[str, Any]:
+    """Agreeing (pays where it pays, costs where it costs, either where neutral), harmful
+    (pays where it costs, costs where it pays) and waiting runs at one factor."""
+    out: dict[str, Any] = {"factor": factor, "agree": 0, "harmful": [], "wait": 0}
+    for j in js:
+        d = decide(j.balance, factor)
+        if d == "wait":
+            out["wait"] += 1
+        elif d == j.truth or j.truth == "neutral":
+            out["agree"] += 1
+        elif j.truth in ("pays", "costs"):
+            out["harmful"].append(f"{j.run}: {d}")
+    return out
+
+
+def _records(run: Path) -> list[dict[str, Any]]:
+    with lzma.open(run / "requests.jsonl.xz", "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def judged(root: Path = MATRIX) -> list[Judged]:
+    """Every offload run with a base on its machine, its truth and its window's balance."""
+    metas: dict[str, dict[str, Any]] = {
+        p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/meta.json"))
+    }
+    records = {name: _records(root / name) for name in metas}
+    noise = matrixkit.family_noise(metas, records)
+    out = []
+    for name, meta in sorted(metas.items()):
+        base = matrixkit.base_run(metas, name) if isinstance(meta.get("offload"), dict) else None
+        if base is None:
+            continue
+        family = noise.get(str(meta.get("pair", "")))
+        truth = matrixkit.paired_truth(
+            records[base],
+            records[name],
+            threshold=matrixkit.truth_threshold(family),
+            noise=matrixkit.noise_of(family),
+        )["verdict"]
+        iv = _intervals(root / name)
+        fit = offload_fit(
+            [tuple(d[k] for k in ("ttft_requests", COMPUTED, LOADED, "ttft_seconds")) for d in iv],
+            MIN_POINTS,
+        )
+        sums = {k: sum(d[k] for d in iv) for k in (LOADED, COMPUTED, "store_seconds")}
+        sums["ttft_seconds"] = sum(d["ttft_seconds"] for d in iv)
+        shape = meta.get("shape")
+        label = str(shape.get("name", "")) if isinstance(shape, dict) else str(shape)
+        out.append(Judged(name, label, truth, offload_balance(fit, sums)))
+    return out
+
+
+def sweep(js: Sequence[Judged], factors: Sequence[float] = FACTORS) -> dict[str, Any]:
+    """Each factor on every run, then per shape held out: the factor the other shapes choose
+    (fewest harmful, then most agreeing, then the smallest) and what it does on the shape."""
+    held = []
+    for shape in sorted({j.shape for j in js}):
+        rest = [j for j in js if j.shape != shape]
+        ranked = sorted(
+            factors, key=lambda k: (len(score(rest, k)["harmful"]), -score(rest, k)["agree"], k)
+        )
+        k = ranked[0]
+        own = [j for j in js if j.shape == shape]
+        held.append({"held_out": shape, "runs": len(own), **score(own, k)})
+    return {
+        "runs": len(js),
+        "truths": {t: sum(j.truth == t for j in js) for t in ("pays", "neutral", "costs")},
+        "factors": [score(js, k) for k in factors],
+        "leave_one_shape_out": held,
+    }
+
+
+def sweep_table(sw: dict[str, Any]) -> str:
+    lines = [
+        f"{sw['runs']} offload runs with a base on their machine; truth {sw['truths']}",
+        "",
+        "| store cost factor | agree | harmful | wait |",
+        "|---|---|---|---|",
+    ]
+    for f in sw["factors"]:
+        harm = ", ".join(f["harmful"]) or "none"
+        lines.append(
+            f"| {f['factor']:g} | {f['agree']} | {len(f['harmful'])} ({harm}) | {f['wait']} |"
+        )
+    lines += ["", "| shape held out | runs | factor the others choose | agree | harmful | wait |"]
+    lines.append("|---|---|---|---|---|---|")
+    for h in sw["leave_one_shape_out"]:
+        harm = ", ".join(h["harmful"]) or "none"
+        lines.append(
+            f"| {h['held_out']} | {h['runs']} | {h['factor']:g} | {h['agree']} | "
+            f"{len(h['harmful'])} ({harm}) | {h['wait']} |"
+        )
     return "\n".join(lines)
 
 
@@ -190,7 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=MATRIX)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="the store cost factor sweep")
     args = ap.parse_args(argv)
+    if args.sweep:
+        sw = sweep(judged(args.root))
+        print(json.dumps(sw, indent=1) if args.json else sweep_table(sw))
+        return 0
     rs = rows(args.root)
     print(json.dumps([asdict(r) for r in rs], indent=1) if args.json else table(rs))
     return 0
