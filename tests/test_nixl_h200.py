@@ -217,6 +217,15 @@ def _values(points: Sequence[float | None]) -> str:
     return " ".join(out)
 
 
+def _render(template: str, labels: Mapping[str, str], value: float) -> str:
+    """An annotation as Prometheus fills it, for the template fields these alerts use."""
+    out = template.replace('{{ $value | printf "%.2f" }}', f"{value:.2f}")
+    for k, v in labels.items():
+        out = out.replace("{{ $labels." + k + " }}", v)
+    assert "{{" not in out, out
+    return out
+
+
 def _seconds(duration: str) -> int:
     assert duration.endswith("s"), duration
     return int(duration[:-1])
@@ -270,25 +279,13 @@ def test_nixl_alerts_on_the_real_runs(name: str, promtool: str, tmp_path: Path) 
             if expected_firing(alert, points, for_s[alert], failed):
                 value = points[-1]
                 assert value is not None
-                description = (
-                    f"KV arrives from the prefill engine at {value:.2f}x the speed this model "
-                    "recomputes it: disaggregated prefill is slower than one engine here. It "
-                    "pays only over a fast KV path (NVLink, RDMA); see kvoffload_nixl_link_info."
-                )
                 assert alert == "DisaggregationSlowerThanRecompute"  # none failed on the H200
                 exp_alerts.append(
                     {
                         "exp_labels": {"severity": defined[alert].severity, **labels},
                         "exp_annotations": {
-                            "summary": defined[alert].summary.replace(
-                                "{{ $labels.target }} {{ $labels.model_name }} engine "
-                                "{{ $labels.engine }}",
-                                f"{labels['target']} {labels['model_name']} engine "
-                                f"{labels['engine']}",
-                            ),
-                            "description": description,
-                            "runbook_url": "https://github.com/kv-offload-exporter/"
-                            "kv-offload-exporter/blob/main/docs/runbooks.md#" + alert.lower(),
+                            k: _render(v, labels, value)
+                            for k, v in defined[alert].rule(FOR_SCALE)["annotations"].items()
                         },
                     }
                 )
