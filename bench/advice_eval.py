@@ -15,13 +15,17 @@ summed TTFT by at least 3 %, costs when it adds 3 % or more, neutral in between)
   "close the loop" runs of bench/gpu/scenarios/close-the-loop.json), "leave it off" at the
   best size measured. The truth at size S is the verdict of the family's run with S against
   its run without offload on its machine (the family: the same shape, workload and vLLM
-  flags; an offload run with no such run is unverified, matrixkit.base_run).
+  flags; matrixkit.base_run). A run is judged by its own machine's pairs first; where its
+  machine has no run of the size (an offload run without a base there, an enable at a size
+  recorded elsewhere, "leave it off" on a machine without a run of any size), by the
+  family's pair of that size on another machine (`_elsewhere`, marked "elsewhere" in the
+  table); predictions only on its own machine.
 - Agreement: enable/keep/grow/shrink/raise_store_threshold agree where offload pays (or is
   neutral), no_action/disable where it costs (or is neutral); insufficient_data agrees with
   nothing. Harmful: a pays-side action (enable, keep, grow, shrink, raise_store_threshold)
   where it costs at the size it speaks of, disable where it pays, for the settled advice at
   the end and at any time before it (an operator acts on what the exporter says when it says
-  it); settled advice at a size the family has no run of is listed as unmeasured. Swinging:
+  it); settled advice at a size no machine has a run of is listed as unmeasured. Swinging:
   the settled action going back to one it had left.
 - Prediction: for a run without offload, the advisor's predicted TTFT saving at every size
   its family measured (the what-if, `ttft_saved_seconds_per_second`) against the saving
@@ -41,7 +45,7 @@ import lzma
 import multiprocessing
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -117,6 +121,9 @@ class RunEval:
     # Settled advice about a size the family has no run of: neither harmful nor agreeing, so
     # it is listed (first time, action, size) rather than silently left out of both counts.
     unmeasured: tuple[tuple[float, str, float], ...] = ()
+    # The truth is the family's pair of that size on another machine (runs without offload
+    # whose machine has no run of the size their advice speaks about; _elsewhere).
+    truth_elsewhere: bool = False
 
 
 def _requests(run: Path) -> list[dict[str, Any]]:
@@ -202,6 +209,37 @@ def _pairs(
         elif matrixkit.same_machine(metas[run.name], metas[on.name]):
             also[size] = (run, on)
     return {**also, **out}
+
+
+def _elsewhere(
+    runs: Sequence[Path], metas: dict[str, dict[str, Any]], run: Path, own: Iterable[float]
+) -> dict[float, tuple[Path, Path]]:
+    """For a run without offload, at the sizes `_pairs` has none for it: the family's pair of
+    that size on another machine, the one whose traffic started nearest in time. It labels
+    the advice as an offload run without a base on its machine is labelled (by the family's
+    pair of its size), so an enable at a size recorded only elsewhere is judged, not listed
+    as unmeasured; predictions stay on the run's own machine, where the sequence's speed is
+    the same."""
+    if _offload_bytes(metas[run.name]) is not None:
+        return {}
+    by_name = {r.name: r for r in runs}
+    taken = set(own)
+    t = matrixkit.traffic_start(metas[run.name])
+    out: dict[float, tuple[Path, Path]] = {}
+    for on in sorted(
+        runs, key=lambda r: (-abs(matrixkit.traffic_start(metas[r.name]) - t), r.name)
+    ):
+        size = _offload_bytes(metas[on.name])
+        if (
+            size is None
+            or size in taken
+            or metas[on.name].get("pair") != metas[run.name].get("pair")
+        ):
+            continue
+        base = matrixkit.base_run(metas, on.name)
+        if base is not None:
+            out[size] = (by_name[base], on)  # the nearest in time is written last
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,13 +341,18 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
         rp = done[run.name]
         action, rec = rp.action, rp.recommended_buffer_bytes
         measured_at = {size: truth(base, on) for size, (base, on) in pairs[run.name].items()}
-        about = _about(own, action, rec, measured_at)
-        t = measured_at.get(about) if about is not None else None
+        elsewhere = {
+            size: truth(base, on)
+            for size, (base, on) in _elsewhere(runs, metas, run, measured_at).items()
+        }
+        judged_at = _judged_at(action, measured_at, elsewhere)
+        about = _about(own, action, rec, judged_at)
+        t = judged_at.get(about) if about is not None else None
         verdict = str(t["verdict"]) if t is not None else "unknown"
         verdict_3pct = str(t["verdict_3pct"]) if t is not None else "unknown"
         measured = t.get("ttft_saved_s_per_s") if t is not None else None
         agrees, harmful = _judge(action, verdict, t is not None)
-        harmful_at, settled, unmeasured = _timeline(rp.timeline, own, measured_at)
+        harmful_at, settled, unmeasured = _timeline(rp.timeline, own, measured_at, elsewhere)
         predictions: list[Prediction] = []
         if own is None and measured_at and rp.curve is not None:
             for size in sorted(measured_at):
@@ -354,17 +397,33 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                 _swings(settled),
                 after,
                 tuple(unmeasured),
+                about in elsewhere and about not in measured_at,
             )
         )
     return sorted(out, key=lambda e: e.run)
 
 
+def _judged_at(
+    action: str, measured_at: dict[float, dict[str, Any]], elsewhere: dict[float, dict[str, Any]]
+) -> dict[float, dict[str, Any]]:
+    """The truths an action is judged by: the run's own machine's, and another machine's
+    (`_elsewhere`) only where its own has none: at the size an enable names, or for "leave
+    it off" on a machine without any run of the family's sizes."""
+    if action == "enable_offload":
+        return {**elsewhere, **measured_at}
+    return measured_at or elsewhere
+
+
 def _timeline(
-    timeline: Sequence[Step], own: float | None, measured_at: dict[float, dict[str, Any]]
+    timeline: Sequence[Step],
+    own: float | None,
+    measured_at: dict[float, dict[str, Any]],
+    elsewhere: dict[float, dict[str, Any]] | None = None,
 ) -> tuple[list[float], list[str], list[tuple[float, str, float]]]:
     """When a settled advice was harmful at the size it spoke about, the settled actions in
     order (repeats collapsed), and the first time each (action, size) was settled at a size
-    no run of the family measured. An operator acts on any settled advice, not only on the
+    no run of the family measured (on the run's machine, or on another where `elsewhere`
+    gives its pairs: _judged_at). An operator acts on any settled advice, not only on the
     last one: a harmful action settled for a few cycles mid-run counts as harmful too."""
     harmful_at: list[float] = []
     settled: list[str] = []
@@ -374,14 +433,15 @@ def _timeline(
             continue
         if not settled or settled[-1] != step.action:
             settled.append(step.action)
-        size = _about(own, step.action, step.recommended_buffer_bytes, measured_at)
-        then = measured_at.get(size) if size is not None else None
+        judged_at = _judged_at(step.action, measured_at, elsewhere or {})
+        size = _about(own, step.action, step.recommended_buffer_bytes, judged_at)
+        then = judged_at.get(size) if size is not None else None
         if then is not None and _judge(step.action, str(then["verdict"]), True)[1]:
             harmful_at.append(step.t)
         if (
             size is not None
             and then is None
-            and measured_at
+            and judged_at
             and not any(a == step.action and b == size for _, a, b in unmeasured)
         ):
             unmeasured.append((step.t, step.action, size))
@@ -460,7 +520,8 @@ def markdown(evals: Sequence[RunEval]) -> str:
             else "disagrees"
         )
         rows.append(
-            f"| {e.run} | {_gib(e.offload_bytes)} | {e.truth} ({_gib(e.pair_size_bytes)}) | "
+            f"| {e.run} | {_gib(e.offload_bytes)} | {e.truth} ({_gib(e.pair_size_bytes)}"
+            f"{', elsewhere' if e.truth_elsewhere else ''}) | "
             f"{e.threshold:.1%} | {e.truth_3pct} | {_num(e.measured_saving)} | "
             f"{_num(e.predicted_saving)} | {e.action} ({e.reason}) | "
             f"{_gib(e.recommended_bytes)} | {_num(e.first_decision_s, '{:.0f} s')} | {verdict} |"
@@ -514,7 +575,8 @@ def markdown(evals: Sequence[RunEval]) -> str:
         f"{', '.join(s['harmful_3pct']) or 'none'}); settled advice swinging back to an action "
         f"it left: {', '.join(s['swinging']) or 'none'}; predicted saving within 25 %, 0.02 s/s "
         f"or the family's noise of the measured one: {s['predictions_ok']} of {s['predictions']}; "
-        f"settled at a size no run of the family measured (neither agreeing nor harmful): "
+        "settled at a size no run of the family measured on any machine (neither agreeing nor "
+        f"harmful): "
         f"{'; '.join(s['unmeasured']) or 'none'}.",
         "",
         f"Offload runs replayed after their run without offload (`replay --prior`): agreement "

@@ -17,6 +17,7 @@ from bench.advice_eval import (
     RunEval,
     _about,
     _judge,
+    _judged_at,
     _meta,
     _requests,
     _swings,
@@ -88,7 +89,7 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
 
 
 @unmet_goal(
-    "49 of 60 (82 %) since session 13, all eleven misses runs without a decision, none harmful: "
+    "55 of 66 (83 %) since session 13, all eleven misses runs without a decision, none harmful: "
     "the 0.6B chat pair with 21 GiB on one machine (costs 28 %) labels that size, and its run "
     "and session 11's have no decision (a loaded token's saving 13.5 +- 18.4 and 7.9 +- 15.6 "
     "us); 0.6B long-context with 7 GiB, twice (kept, harmful, until session 12; session 13 "
@@ -100,7 +101,9 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
     "new tokens, so no interval separates a computed token's cost from the per-request cost); "
     "0.6B concurrent with 21 GiB (offload slowed the requests that loaded nothing too, 33 %, "
     "which no per-token fit of the window sees); 0.6B concurrent without offload "
-    "(speedup_uncertain: a computed token costs 9 +- 15 us). 48 of 58 in session 12, 47 of 54 "
+    "(speedup_uncertain: a computed token costs 9 +- 15 us). Six runs without offload became "
+    "verified in session 13, all agreeing, when judged by their family's pair on another "
+    "machine where theirs has none. 48 of 58 in session 12, 47 of 54 "
     "in session 11, 45 of 52 in session 10. Replayed after their run without offload (the "
     "next test), seven of the nine offload runs without a decision that have one decide, "
     "agreeing (8B chat with 27 GiB "
@@ -182,6 +185,35 @@ def test_advice_settled_at_a_size_no_run_measured_is_listed() -> None:
         [step(121.0, "shrink_buffer", 7.0 * GIB)], 21.0 * GIB, measured
     )
     assert harmful_at == [121.0] and unmeasured == []
+
+
+def test_a_run_without_offload_is_judged_elsewhere_only_where_its_machine_has_no_run() -> None:
+    """An enable at a size recorded only on another machine is judged by the family's pair
+    there, as an offload run without a base on its machine is; "leave it off" stays judged
+    on the sizes of the run's own machine where it has any."""
+    own = {7.0 * GIB: {"verdict": "costs"}}
+    elsewhere = {16.0 * GIB: {"verdict": "pays"}, 7.0 * GIB: {"verdict": "pays"}}
+    assert _judged_at("enable_offload", own, elsewhere)[7.0 * GIB] == own[7.0 * GIB]
+    assert _judged_at("enable_offload", own, elsewhere)[16.0 * GIB]["verdict"] == "pays"
+    assert _judged_at("no_action", own, elsewhere) == own
+    assert _judged_at("no_action", {}, elsewhere) == elsewhere
+
+    def step(t: float, action: str, rec: float | None = None) -> Step:
+        return Step(t, "t", "m", "0", action, "r", rec, None)
+
+    # No run of 16 GiB on the machine: unmeasured alone, judged (here agreeing) elsewhere.
+    timeline = [step(121.0, "enable_offload", 16.0 * GIB), step(140.0, "no_action")]
+    assert _timeline(timeline, None, own)[2] == [(121.0, "enable_offload", 16.0 * GIB)]
+    harmful_at, _, unmeasured = _timeline(timeline, None, own, elsewhere)
+    assert harmful_at == [] and unmeasured == []
+    # Leaving it off where the other machine's 16 GiB pays is not judged by it.
+    harmful_at, _, _ = _timeline([step(121.0, "no_action")], None, own, elsewhere)
+    assert harmful_at == []
+    # Enabling where the other machine's pair costs is harmful.
+    harmful_at, _, _ = _timeline(
+        [step(121.0, "enable_offload", 16.0 * GIB)], None, own, {16.0 * GIB: {"verdict": "costs"}}
+    )
+    assert harmful_at == [121.0]
 
 
 def test_swings_count_returns_only() -> None:
