@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import multiprocessing
 import os
 import sys
@@ -127,8 +126,7 @@ class RunEval:
 
 
 def _requests(run: Path) -> list[dict[str, Any]]:
-    with lzma.open(run / "requests.jsonl.xz", "rt") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    return matrixkit.load_requests(run)  # type: ignore[no-any-return]
 
 
 def _meta(run: Path) -> dict[str, Any]:
@@ -300,12 +298,8 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
 
     def truth(base: Path, on: Path) -> dict[str, Any]:
         if (base.name, on.name) not in truths:
-            family = str(metas[on.name].get("pair", ""))
-            truths[base.name, on.name] = matrixkit.paired_truth(
-                records[base.name],
-                records[on.name],
-                threshold=matrixkit.truth_threshold(noise.get(family)),
-                noise=matrixkit.noise_of(noise.get(family)),
+            truths[base.name, on.name] = matrixkit.family_truth(
+                metas, records, noise, base.name, on.name
             )
         return truths[base.name, on.name]
 

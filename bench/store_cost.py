@@ -192,10 +192,12 @@ def measure(run: Path, base: Path) -> Row:
     )
 
 
+def _metas(root: Path) -> dict[str, dict[str, Any]]:
+    return {p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/meta.json"))}
+
+
 def rows(root: Path = MATRIX) -> list[Row]:
-    metas: dict[str, dict[str, Any]] = {
-        p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/meta.json"))
-    }
+    metas = _metas(root)
     out = []
     for name, meta in sorted(metas.items()):
         if not isinstance(meta.get("offload"), dict):
@@ -267,30 +269,17 @@ def score(js: Sequence[Judged], factor: float) -> dict[str, Any]:
     return out
 
 
-def _records(run: Path) -> list[dict[str, Any]]:
-    with lzma.open(run / "requests.jsonl.xz", "rt", encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def judged(root: Path = MATRIX) -> list[Judged]:
     """Every offload run with a base on its machine, its truth and its window's balance."""
-    metas: dict[str, dict[str, Any]] = {
-        p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/meta.json"))
-    }
-    records = {name: _records(root / name) for name in metas}
+    metas = _metas(root)
+    records = {name: matrixkit.load_requests(root / name) for name in metas}
     noise = matrixkit.family_noise(metas, records)
     out = []
     for name, meta in sorted(metas.items()):
         base = matrixkit.base_run(metas, name) if isinstance(meta.get("offload"), dict) else None
         if base is None:
             continue
-        family = noise.get(str(meta.get("pair", "")))
-        truth = matrixkit.paired_truth(
-            records[base],
-            records[name],
-            threshold=matrixkit.truth_threshold(family),
-            noise=matrixkit.noise_of(family),
-        )["verdict"]
+        truth = matrixkit.family_truth(metas, records, noise, base, name)["verdict"]
         iv = _intervals(root / name)
         fit = offload_fit(
             [tuple(d[k] for k in ("ttft_requests", COMPUTED, LOADED, "ttft_seconds")) for d in iv],

@@ -942,12 +942,7 @@ def truth_table(root: Path) -> dict[str, Any]:
             if meta.get("offload") is not None:
                 unpaired.append(name)  # no run without offload of its family on its machine
             continue
-        truth = mk.paired_truth(
-            records[base],
-            records[name],
-            threshold=mk.truth_threshold(noise.get(str(meta.get("pair", "")))),
-            noise=mk.noise_of(noise.get(str(meta.get("pair", "")))),
-        )
+        truth = mk.family_truth(metas, records, noise, base, name)
         if meta.get("offload") is not None:
             pairs[name] = {"base": base, **truth}
         elif mk.traffic_start(meta) > mk.traffic_start(metas[base]):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
@@ -1058,3 +1059,24 @@ def paired_truth(
             else None
         ),
     }
+
+
+def load_requests(run: Path) -> list[dict[str, Any]]:
+    """A recording's requests.jsonl.xz (the compacted fixtures: whole lines only)."""
+    with lzma.open(run / "requests.jsonl.xz", "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def family_truth(
+    metas: Mapping[str, Mapping[str, Any]],
+    records: Mapping[str, Sequence[Mapping[str, Any]]],
+    noise: Mapping[str, Mapping[str, Any]],
+    base: str,
+    run: str,
+) -> dict[str, Any]:
+    """paired_truth of `run` against `base`, judged in the band of `run`'s family (noise:
+    family_noise's result)."""
+    band = noise.get(str(metas[run].get("pair", "")))
+    return paired_truth(
+        records[base], records[run], threshold=truth_threshold(band), noise=noise_of(band)
+    )
