@@ -20,6 +20,7 @@ import functools
 import json
 import lzma
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ from alerts.generate import alerts, rules
 from exporter.model.derive.backends import nixl_link_type
 from exporter.recording import read_meta, read_scrapes
 from testbed import backfill
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "gpu" / "nixl"))
+import results  # type: ignore[import-not-found]  # bench/gpu/nixl holds scripts, not a package
 
 RUNS_DIR = Path(__file__).resolve().parent / "fixtures" / "nixl" / "h200-2026-12-03"
 RUNS = sorted(p.name for p in RUNS_DIR.iterdir() if (p / "decode" / "metrics.jsonl.xz").exists())
@@ -316,14 +320,15 @@ def test_disaggregation_alert_fires_on_a_real_slow_link_and_not_on_a_fast_one() 
     verdicts = {}
     for name in RUNS:
         run = load(name)
-        ucx = (RUNS_DIR / name / "ucx.txt").read_text()
         if run.meta["decode"]["shape"] != "large":
             continue
-        read_rows = ucx.split("remote memory read by ucp_get*(multi) into cuda", 1)
-        if len(read_rows) < 2:
-            continue
-        first_row = next(line for line in read_rows[1].splitlines() if line.startswith("| 0..inf"))
-        path = "tcp" if "software emulation" in first_row else "cuda_ipc"
+        read, _ = results.transports(RUNS_DIR / name)  # the KV's READ, as UCX logged it
+        if "software emulation" in read:
+            path = "tcp"
+        elif read.startswith("cuda_ipc/"):
+            path = "cuda_ipc"
+        else:
+            continue  # push: the KV is written, not read
         speedups = [
             v
             for _, text in run.current
