@@ -1,6 +1,7 @@
 """The advice against measured truth, on every real-GPU matrix recording (issue 16).
 
     PYTHONPATH=. .venv/bin/python -m bench.advice_eval [tests/fixtures/gpu/matrix] [--json]
+        [--interval SECONDS ...]   (several: the goals at each exporter --interval)
 
 (the replays run in parallel, one worker process per CPU; KVOE_EVAL_WORKERS sets how many)
 
@@ -253,16 +254,19 @@ class _Replay:
     curve: dict[float, float | None] | None  # the what-if at the sizes asked for
 
 
-def _replay(job: tuple[Path, tuple[int, ...], Mapping[EngineKey, CostBefore] | None]) -> _Replay:
-    """Replay one recording with default thresholds (after `before` where given) and, where
-    sizes are given, once more with the what-if at those sizes. A top-level function: it
-    runs in a worker process."""
-    run, sizes, before = job
-    r = replay_one(run, Config(), before=before)
+_Job = tuple[Path, tuple[int, ...], Mapping[EngineKey, CostBefore] | None, float]
+
+
+def _replay(job: _Job) -> _Replay:
+    """Replay one recording with default thresholds at the exporter's --interval (after
+    `before` where given) and, where sizes are given, once more with the what-if at those
+    sizes. A top-level function: it runs in a worker process."""
+    run, sizes, before, interval = job
+    r = replay_one(run, Config(interval=interval), before=before)
     (final,) = (e for t in r.final.targets for e in t.engines)
     curve = None
     if sizes:
-        at = replay_one(run, Config(whatif_sizes=sizes))
+        at = replay_one(run, Config(interval=interval, whatif_sizes=sizes))
         (e,) = (x for tt in at.final.targets for x in tt.engines)
         curve = {
             p.cpu_buffer_bytes: p.ttft_saved_seconds_per_second
@@ -289,7 +293,11 @@ def _workers() -> int:
     return max(1, int(env) if env else (os.cpu_count() or 1))
 
 
-def evaluate(root: Path = MATRIX) -> list[RunEval]:
+def evaluate(root: Path = MATRIX, interval: float | None = None) -> list[RunEval]:
+    """Every recording under root judged; `interval`: the exporter's --interval the replays
+    run at (default: the exporter's default; one scrape per interval where it is coarser
+    than the recordings' 1 s)."""
+    interval = Config().interval if interval is None else interval
     runs = sorted(p.parent for p in root.glob("*/meta.json"))
     metas = {r.name: _meta(r) for r in runs}
     records = {r.name: _requests(r) for r in runs}
@@ -316,14 +324,17 @@ def evaluate(root: Path = MATRIX) -> list[RunEval]:
                 (r.name for r in without),
                 pool.map(
                     _replay,
-                    [(r, tuple(int(b) for b in sorted(pairs[r.name])), None) for r in without],
+                    [
+                        (r, tuple(int(b) for b in sorted(pairs[r.name])), None, interval)
+                        for r in without
+                    ],
                 ),
                 strict=True,
             )
         )
         after_of = [r for r in with_ if bases[r.name] in done]
-        jobs = [(r, (), None) for r in with_] + [
-            (r, (), done[str(bases[r.name])].before) for r in after_of
+        jobs: list[_Job] = [(r, (), None, interval) for r in with_] + [
+            (r, (), done[str(bases[r.name])].before, interval) for r in after_of
         ]
         results = list(pool.map(_replay, jobs))
     done.update(zip((r.name for r in with_), results[: len(with_)], strict=True))
@@ -580,14 +591,46 @@ def markdown(evals: Sequence[RunEval]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def cadence_table(by_interval: Sequence[tuple[float, Sequence[RunEval]]]) -> str:
+    """The goals at each exporter --interval: the fits take one point per interval, so a
+    coarser one has fewer and wider intervals to separate the costs with."""
+    rows = [
+        "| --interval | decided within 5 min | agreement | harmful | predictions within "
+        "tolerance | median first decision |",
+        "|---|---|---|---|---|---|",
+    ]
+    for interval, evals in by_interval:
+        s = summary(evals)
+        firsts = sorted(e.first_decision_s for e in evals if e.first_decision_s is not None)
+        median = f"{firsts[len(firsts) // 2]:.0f} s" if firsts else "-"
+        agree = sum(e.agrees for e in evals if e.verified)
+        rows.append(
+            f"| {interval:g} s | {s['decided']:.0%} | {agree} of {s['verified']} "
+            f"({s['agreement']:.0%}) | {len(s['harmful'])} | {s['predictions_ok']} of "
+            f"{s['predictions']} | {median} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("root", nargs="?", type=Path, default=MATRIX)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        action="append",
+        metavar="SECONDS",
+        help="replay as an exporter at this --interval (default: its default); given more "
+        "than once, print the goals at each instead of the table",
+    )
     args = parser.parse_args(argv)
-    evals = evaluate(args.root)
+    if args.interval and len(args.interval) > 1:
+        print(cadence_table([(i, evaluate(args.root, i)) for i in args.interval]), end="")
+        return 0
+    evals = evaluate(args.root, args.interval[0] if args.interval else None)
     if args.json:
-        print(json.dumps({"runs": [asdict(e) for e in evals], **summary(evals)}, indent=1))
+        print(json.dumps({**summary(evals), "evals": [asdict(e) for e in evals]}, indent=1))
     else:
         print(markdown(evals), end="")
     return 0

@@ -97,7 +97,14 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "HOST:PORT to serve /metrics on (default all interfaces, like other exporters)",
         "HOST:PORT",
     ),
-    Option("interval", "float", 5.0, "seconds between collections", "SECONDS"),
+    Option(
+        "interval",
+        "float",
+        1.0,
+        "seconds between collections; the advisor's fits take one point per interval, and "
+        "on the H200 recordings a coarser interval decided fewer runs (docs/advisor.md)",
+        "SECONDS",
+    ),
     Option("window", "float", 300.0, "sliding window for ratios and rates, seconds", "SECONDS"),
     Option(
         "scrape-timeout",
@@ -240,7 +247,7 @@ OPTION_BY_KEY: Mapping[str, Option] = {o.key: o for o in OPTIONS}
 class Config:
     targets: tuple[TargetConfig, ...] = ()
     listen: str = f":{DEFAULT_PORT}"
-    interval: float = 5.0
+    interval: float = 1.0
     window: float = 300.0
     scrape_timeout: float = 0.0
     max_body_bytes: int = 16 << 20

@@ -10,6 +10,8 @@ What the live exporter learns from /proc and NVML comes from meta.json (vLLM's c
 line, the GPU's host link, KV bytes per token); exporter flags such as --threshold,
 --whatif-sizes or --assumed-load-bandwidth apply as they would live. A directory whose
 subdirectories are recordings (what --record writes, one per target) replays each of them.
+An --interval coarser than the recording's cadence replays one scrape per interval: what an
+exporter collecting that often would have seen, and advised (at_interval).
 """
 
 from __future__ import annotations
@@ -131,6 +133,21 @@ def scrape_interval(scrapes: Sequence[Scrape]) -> float:
     return statistics.median(gaps) if gaps else 1.0
 
 
+def at_interval(scrapes: Sequence[Scrape], interval: float) -> list[Scrape]:
+    """The scrapes an exporter collecting every `interval` seconds would have taken: the
+    first, then each one at least `interval` after the last taken. A recording's scrapes
+    jitter around its cadence, so a scrape half a recorded gap early still counts as on time;
+    an interval at or below the recording's own cadence keeps every scrape."""
+    cadence = scrape_interval(scrapes)
+    if interval <= cadence or not scrapes:
+        return list(scrapes)
+    out = [scrapes[0]]
+    for s in scrapes[1:]:
+        if s.t - out[-1].t >= interval - cadence / 2:
+            out.append(s)
+    return out
+
+
 def replay_one(
     directory: Path,
     cfg: Config,
@@ -140,7 +157,7 @@ def replay_one(
     """Replay one recording; the target is named after its directory unless `label`.
     `before`: the engines' TTFT fits with offload off from an earlier recording (Replayed.
     before), remembered from the start as a live exporter remembers them."""
-    scrapes = read_scrapes(directory)
+    scrapes = at_interval(read_scrapes(directory), cfg.interval)
     meta = read_meta(directory)
     events = _kv_items(read_kv_events(directory)) if has_kv_events(directory) else None
     name = label or directory.resolve().name
@@ -315,7 +332,8 @@ def run(argv: Sequence[str]) -> int:
         prog="kv-offload-exporter replay",
         description="Replay a recording (--record DIR) through the exporter's pipeline on its "
         "own clock and print the advice timeline. Exporter flags (--threshold, "
-        "--whatif-sizes, --assumed-load-bandwidth, ...) apply as they would live.",
+        "--whatif-sizes, --assumed-load-bandwidth, ...) apply as they would live; an "
+        "--interval coarser than the recording's takes one scrape per interval.",
     )
     parser.add_argument("directory", type=Path, help="a recording, or a folder of recordings")
     parser.add_argument("--json", action="store_true", help="print one JSON document")

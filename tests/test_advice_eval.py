@@ -161,6 +161,17 @@ def test_settled_advice_does_not_swing_back(evals) -> None:  # type: ignore[no-u
     assert summary(evals)["swinging"] == []
 
 
+def test_collecting_less_often_decides_less_but_never_harms() -> None:
+    """An exporter at --interval 5 (the default until 2026-12-03) sees every fifth scrape of
+    the recordings: fewer and wider intervals for its fits, so it decides fewer runs (71 %
+    against 83 %: docs/advisor.md, "How often to collect"), but nothing it settles on may be
+    harmful or swing back."""
+    coarse = evaluate(interval=5.0)
+    s = summary(coarse)
+    assert s["harmful"] == [] and s["swinging"] == []
+    assert s["runs"] == len(coarse) >= 60
+
+
 def test_advice_settled_at_a_size_no_run_measured_is_listed() -> None:
     """A shrink to a size the family has no run of is neither harmful nor agreeing: it is
     listed with its first time, and a harmful one at a measured size is still caught."""

@@ -14,7 +14,7 @@ def args(*argv: str) -> argparse.Namespace:
 
 def test_defaults_and_flag():
     cfg = load_config(args("--vllm-url", "http://127.0.0.1:8000"), {})
-    assert cfg.interval == 5.0 and cfg.window == 300.0 and cfg.listen == ":9747"
+    assert cfg.interval == 1.0 and cfg.window == 300.0 and cfg.listen == ":9747"
     assert cfg.targets[0].label == "127.0.0.1:8000"
     assert cfg.targets[0].metrics_url == "http://127.0.0.1:8000/metrics"
 

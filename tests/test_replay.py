@@ -16,8 +16,8 @@ from exporter.cli import main
 from exporter.config import Config
 from exporter.model.advisor.types import Action
 from exporter.options import TargetConfig
-from exporter.recording import read_meta, read_scrapes
-from exporter.replay import recordings, replay_one
+from exporter.recording import Scrape, read_meta, read_scrapes
+from exporter.replay import at_interval, recordings, replay_one
 from exporter.runtime import Exporter, build_sources
 from exporter.thresholds import DEFAULT
 from testbed.replay import ReplayServer, Reply
@@ -160,6 +160,26 @@ def test_replay_flags_apply_as_live(tmp_path: Path) -> None:
     (engine,) = custom.final.targets[0].engines
     assert engine.whatif is not None
     assert [p.cpu_buffer_bytes for p in engine.whatif.points] == [float(s) for s in sizes]
+
+
+def test_a_coarser_interval_replays_one_scrape_per_interval(tmp_path: Path, capsys) -> None:
+    """What an exporter at --interval 5 would have collected from a recording made every
+    second: scrapes that jitter around the cadence count as on time, a finer interval than
+    the recording's keeps every scrape (it cannot invent any)."""
+    jitter = (0.0, 0.02, -0.03, 0.01, 0.0, -0.02, 0.03, 0.0, 0.01, -0.01, 0.0, 0.02)
+    scrapes = [Scrape(1000.0 + i + d, "") for i, d in enumerate(jitter)]
+    assert [s.t - 1000 for s in at_interval(scrapes, 5.0)] == pytest.approx([0.0, 4.98, 10.0])
+    assert at_interval(scrapes, 1.0) == scrapes and at_interval(scrapes, 0.2) == scrapes
+    assert at_interval([], 5.0) == []
+    rec = recording_of(LARGE_B, tmp_path / "large-b")
+    every = replay_one(rec, short_run_config())
+    coarse = replay_one(rec, short_run_config(interval=5.0))
+    assert (every.scrapes, coarse.scrapes) == (25, 5)
+    assert coarse.timeline[0].t == 0.0
+    assert all(min(s.t % 5, 5 - s.t % 5) < 0.5 for s in coarse.timeline)
+    flags = ["--interval", "5", "--threshold", "min_window_seconds=15"]
+    assert main(["replay", str(rec), *flags]) == 0
+    assert "large-b: 5 scrapes" in capsys.readouterr().out
 
 
 def test_a_folder_of_recordings_replays_each(tmp_path: Path, capsys) -> None:
