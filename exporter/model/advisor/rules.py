@@ -22,7 +22,7 @@ from exporter.model.advisor.types import (
     TierEvidence,
     WhatIfPoint,
 )
-from exporter.model.derive.balance import DeliveredSaving, OffloadBalance
+from exporter.model.derive.balance import SAME_LOAD, DeliveredSaving, OffloadBalance
 from exporter.model.derive.engines import EngineDerived
 from exporter.thresholds import DEFAULT, Thresholds
 
@@ -390,7 +390,8 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
             Reason.RELOAD_BENEFIT_UNMEASURED,
             f"{pct(hit)} of prompt tokens come back from the CPU tier, but whether that makes "
             f"requests faster is not measured yet: {why}. vLLM's copy-time counter alone "
-            f"(speedup {d.transfer_speedup or float('nan'):.2f}) leaves out per-load costs.",
+            f"(speedup {d.transfer_speedup or float('nan'):.2f}) leaves out per-load costs. "
+            + _MEASURE_BEFORE,
         )
     if not proven and bal is not None and lower is not None and lower < 0:
         # The speedup margin stands in for what the per-token fits do not see; the balance
@@ -424,9 +425,7 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
             "computing requests by more than its copy time: at "
             f"{th.store_cost_factor_max:g}x the copy time the balance reaches {cost}. Whether "
             "offload pays here is not measured precisely enough yet to keep the tier or "
-            "resize it; what the same traffic cost this engine before offload was enabled "
-            "decides it once known precisely enough (an exporter that watched the engine "
-            "then, or --state-file).",
+            "resize it. " + _MEASURE_BEFORE,
         )
     if (
         d.reuse_ratio is not None
@@ -506,6 +505,19 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
         Reason.PAYING_OFF,
         f"{pct(hit)} of prompt tokens are served from the CPU tier and {beat}.{gain} Keep it.",
     )
+
+
+# Where the window alone cannot price offload (a traffic shape whose intervals never separate
+# the costs waits however long it runs), the operator can give it what decides: on the H200
+# recordings, seven of the nine offload runs that waited alone decided, all agreeing, once
+# their engine's cost with offload off was known (docs/gpu-acceptance.md).
+_MEASURE_BEFORE = (
+    "What this traffic cost the engine with offload off decides it: run the engine without "
+    "--kv-offloading-size for a few minutes of similar traffic (a request rate within "
+    f"{1 + SAME_LOAD:g}x), "
+    "watched by this exporter (with --state-file where the exporter restarts with vLLM), "
+    "then enable it again (docs/advisor.md, what enabling delivered)."
+)
 
 
 def _balance_rule(

@@ -20,7 +20,7 @@ from exporter.model.advisor.types import (
     WhatIfPoint,
     WhatIfState,
 )
-from exporter.model.derive.balance import DeliveredSaving, offload_balance
+from exporter.model.derive.balance import SAME_LOAD, DeliveredSaving, offload_balance
 from exporter.model.derive.engines import DeriveSettings, derive_engine
 from exporter.model.derive.fits import OffloadFit, PrefillFit
 from exporter.thresholds import DEFAULT
@@ -354,6 +354,30 @@ def test_copy_speed_alone_never_proves_offload_pays():
     )
     a = evaluate(inp(base(**{**ON, "offload_fit": unsure})))
     assert a.action == Action.INSUFFICIENT_DATA and "not yet distinguishable" in a.explanation
+
+
+def test_a_wait_the_window_cannot_end_says_what_would_decide_it():
+    """No traffic of the same shape separates the costs where every interval loads and
+    computes alike (8B chat with 16 GiB on the H200): the explanation names the measurement
+    that decides, the engine's cost with offload off, at a request rate delivered_saving
+    accepts, and how the exporter keeps it across the restart."""
+    for fit in (
+        None,
+        OffloadFit(
+            0.0,
+            40e-6,
+            10e-6,
+            8,
+            0.9,
+            saving_stderr=20e-6,
+            computed_stderr=15e-6,
+            loaded_stderr=10e-6,
+        ),
+    ):
+        a = evaluate(inp(base(**{**ON, "offload_fit": fit, "transfer_speedup": 5.0})))
+        assert a.reason == "reload_benefit_unmeasured"
+        assert "without --kv-offloading-size" in a.explanation
+        assert f"within {1 + SAME_LOAD:g}x" in a.explanation and "--state-file" in a.explanation
 
 
 # --- what enabling delivered, against the engine's TTFT before (offload on) ------------------
