@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -38,6 +39,9 @@ from testbed.vllm_cpu import VllmServer, complete
 
 COUNT_FLOOR = {"fds": 1.0, "tasks": 1.0, "threads": 1.0, "queue_depth": 1.0}
 QUEUE_DEPTH = metric("kvoffload_kv_event_queue_depth").name
+# The exporter runs with the arena cap its image sets (Dockerfile, tests/test_deploy.py): the
+# soak measures what is shipped.
+MALLOC_ARENA_MAX = 2
 
 
 @dataclass
@@ -74,6 +78,7 @@ class SoakResult:
     metrics_failures: int
     cycles: int
     exporter_args: list[str] = field(default_factory=list)
+    malloc_arena_max: int = 0  # the exporter's MALLOC_ARENA_MAX (0: glibc's default)
 
     @property
     def flat(self) -> bool:
@@ -213,6 +218,7 @@ def run(
     window: float = 60.0,
     extra_args: Sequence[str] = (),
     log: bool = True,
+    malloc_arena_max: int = MALLOC_ARENA_MAX,
 ) -> SoakResult:
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvoe-soak-"))
     server = None
@@ -224,7 +230,8 @@ def run(
         url = attach
     args = ["--vllm-url", url, "--interval", str(interval), "--window", str(window)]
     args += [*kv_event_args(kv_events_endpoint), *extra_args]
-    exporter = ExporterProcess(workdir, args)
+    env = {**os.environ, "MALLOC_ARENA_MAX": str(malloc_arena_max)} if malloc_arena_max else None
+    exporter = ExporterProcess(workdir, args, env=env)
     samples: list[Sample] = []
     t0 = time.monotonic()
     workload = Workload(url, until=t0 + duration)
@@ -268,6 +275,7 @@ def run(
         metrics_failures=sum(1 for s in samples if s.metrics_status != 200),
         cycles=samples[-1].cycles if samples else 0,
         exporter_args=args,
+        malloc_arena_max=malloc_arena_max,
     )
 
 
@@ -276,7 +284,8 @@ def report(result: SoakResult) -> str:
         f"soak {result.duration:.0f}s, warm-up {result.warmup:.0f}s, "
         f"{len(result.samples)} samples, "
         f"{result.cycles} exporter cycles, {result.requests} requests "
-        f"({result.request_errors} errors), /metrics failures {result.metrics_failures}",
+        f"({result.request_errors} errors), /metrics failures {result.metrics_failures}, "
+        f"MALLOC_ARENA_MAX {result.malloc_arena_max or 'unset'}",
         f"{'quantity':12s} {'first':>14s} {'last':>14s} {'drift':>8s} {'slope/h':>12s} "
         f"{'allowed':>12s}  flat",
     ]
@@ -302,6 +311,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path)
     p.add_argument("--json", type=Path, help="write samples and verdicts here")
     p.add_argument("--exporter-arg", action="append", default=[], help="extra exporter flag")
+    p.add_argument(
+        "--malloc-arena-max",
+        type=int,
+        default=MALLOC_ARENA_MAX,
+        help=f"the exporter's MALLOC_ARENA_MAX (default {MALLOC_ARENA_MAX}, as the image sets "
+        "it; 0: glibc's default, one arena per thread)",
+    )
     a = p.parse_args(argv)
     if a.warmup < a.window:
         p.error("--warmup must be at least --window (the window fills during warm-up)")
@@ -316,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interval=a.interval,
         window=a.window,
         extra_args=a.exporter_arg,
+        malloc_arena_max=a.malloc_arena_max,
     )
     print(report(result))
     if a.json:

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from alerts.generate import rules
+from bench import soak
 from exporter.config import DEFAULT_PORT, OPTIONS, ConfigError, load_config, parse_bytes
 from testbed import stack
 from testbed.vllm_cpu import TINY_MODEL, VLLM_PYTHON, kv_bytes_per_token
@@ -453,6 +454,15 @@ def test_dockerfile_base_user_and_entrypoint():
     assert entry == ["python", "-m", "exporter"]
     (expose,) = [a.split() for i, a in ins if i == "EXPOSE"]
     assert str(DEFAULT_PORT) in expose
+
+
+def test_the_image_caps_malloc_arenas_as_the_soak_measures_it():
+    """The soak (bench/soak.py, tests/faults/test_soak_short.py) runs the exporter with the
+    arena cap the image ships: without it resident memory grew with KV events on while
+    Python's heap stayed flat (docs/reliability.md, "Resident memory")."""
+    env = " ".join(a for i, a in dockerfile() if i == "ENV").split()
+    values = dict(kv.partition("=")[::2] for kv in env if "=" in kv)
+    assert values["MALLOC_ARENA_MAX"] == str(soak.MALLOC_ARENA_MAX)
 
 
 def test_dockerfile_copies_only_what_dockerignore_lets_through():
