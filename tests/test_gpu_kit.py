@@ -605,13 +605,17 @@ SCENARIOS = mk.load_scenarios()
 
 
 def test_matrix_scenarios_are_data() -> None:
-    """3 shapes x 5 workloads x {none, 2 buffers}, every one resolvable without code."""
+    """3 shapes x 5 workloads x {none, 2 buffers}, every one resolvable without code, and
+    the held-out shape's 2 workloads x {none, 2 buffers} (holdout.json)."""
     shapes = {s.shape.name for s in SCENARIOS.values()}
     workloads = {s.workload.name for s in SCENARIOS.values()}
-    assert shapes == {"qwen3-0.6b", "qwen3-8b", "qwen3-32b"}
+    assert shapes == {"qwen3-0.6b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}
     assert {"rag-zipf", "chat", "unique", "long-context", "concurrent"} <= workloads
     matrix = [n for n in SCENARIOS if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k")]
-    assert len(matrix) == 45
+    held_out = [n for n in matrix if SCENARIOS[n].shape.name == "qwen3-14b"]
+    assert len(matrix) == 45 + 6 and len(held_out) == 6
+    assert {SCENARIOS[n].workload.name for n in held_out} == {"chat", "rag-zipf"}
+    shapes -= {"qwen3-14b"}
     # close-the-loop.json: the sizes the advisor recommended on replay, as scenarios too.
     assert SCENARIOS["qwen3-8b-long-context-cpu16g"].offload is not None
     assert (
@@ -624,6 +628,10 @@ def test_matrix_scenarios_are_data() -> None:
     assert bpt["qwen3-0.6b"] == kit.SMALL_BPT and bpt["qwen3-32b"] == kit.LARGE_BPT
     eight = SCENARIOS["qwen3-8b-rag-zipf-cpu64k"]
     assert eight.shape.param_count == pytest.approx(8.19e9, rel=0.01)
+    fourteen = SCENARIOS["qwen3-14b-chat-cpu64k"]
+    assert fourteen.shape.kv_bytes_per_token == 163_840
+    assert fourteen.shape.param_count == pytest.approx(14.8e9, rel=0.01)
+    assert fourteen.offload is not None and fourteen.offload.size_gib == 10.0
     assert eight.shape.kv_cache_bytes == 32768 * 147_456  # 2048 blocks of 16 tokens
     assert eight.shape.gpu_blocks == 2048
     assert eight.offload is not None and eight.offload.size_gib == 9.0  # 64 Ki tokens of KV

@@ -4,7 +4,9 @@
 # Installs what bench/gpu/stage_wheels.sh staged, from parts that arrive in separate device calls:
 #   1. every carried .gpu/vllm-0.26.0-stripped.tar.xz.part-NN is checked against .gpu/SHA256SUMS
 #      and copied to /tmp/kvoe-gpu/parts/ (the next call may not carry it again);
-#   2. carried .gpu/wheels/*.whl are checked and installed once with
+#   2. carried .gpu/wheels*/*.whl (.gpu/wheels/, or split over .gpu/wheels-1/, .gpu/wheels-2/...
+#      where the repository leaves a call too little room for all of them) are checked and kept
+#      in /tmp/kvoe-gpu/wheels/, and installed once all of them are there with
 #      pip install --no-index --no-deps --target /tmp/kvoe-gpu/site;
 #   3. once every part is there: reassemble, check the whole file's sha256, extract the stripped
 #      vLLM tree (vllm/ + vllm-0.26.0.dist-info/) into the same target dir.
@@ -31,7 +33,7 @@ elapsed() { python3 -c "import time; print(f'{time.time() - $START:.1f}')"; }
 if [ -f "$SRC/SHA256SUMS" ]; then
   if [ -f "$DEST/SHA256SUMS" ] && ! cmp -s "$SRC/SHA256SUMS" "$DEST/SHA256SUMS"; then
     echo "kvoe-gpu: a new bundle: clearing $DEST"
-    rm -rf "$DEST/parts" "$DEST/site" "$DEST/.deps-ok" "$DEST/.vllm-ok"
+    rm -rf "$DEST/parts" "$DEST/wheels" "$DEST/site" "$DEST/.deps-ok" "$DEST/.vllm-ok"
     mkdir -p "$DEST/parts" "$DEST/site"
   fi
   cp "$SRC/SHA256SUMS" "$DEST/SHA256SUMS"
@@ -55,21 +57,31 @@ for p in "$SRC/$NAME".part-*; do
 done
 
 # 2. dependency wheels
-if [ ! -e "$DEST/.deps-ok" ] && [ -d "$SRC/wheels" ]; then
-  missing=0
-  while read -r w f; do
-    case "$f" in wheels/*) ;; *) continue ;; esac
-    if [ ! -f "$SRC/$f" ]; then echo "kvoe-gpu: missing $f"; missing=1; continue; fi
-    [ "$(sha "$SRC/$f")" = "$w" ] || fail "$f: sha256 mismatch"
-  done <"$DEST/SHA256SUMS"
-  [ "$missing" = 0 ] || fail "dependency wheels incomplete: carry .gpu/wheels"
+mkdir -p "$DEST/wheels"
+wheels_want=0; wheels_have=0
+while read -r w f; do
+  case "$f" in wheels/*) ;; *) continue ;; esac
+  b=${f#wheels/}
+  wheels_want=$((wheels_want + 1))
+  if [ ! -f "$DEST/wheels/$b" ]; then
+    for src in "$SRC"/wheels*/"$b"; do
+      [ -f "$src" ] || continue
+      [ "$(sha "$src")" = "$w" ] || fail "$f: sha256 mismatch (carry it again)"
+      cp "$src" "$DEST/wheels/$b.tmp" && mv "$DEST/wheels/$b.tmp" "$DEST/wheels/$b"
+      break
+    done
+  fi
+  [ -f "$DEST/wheels/$b" ] && wheels_have=$((wheels_have + 1))
+done <"$DEST/SHA256SUMS"
+
+if [ ! -e "$DEST/.deps-ok" ] && [ "$wheels_want" -gt 0 ] && [ "$wheels_have" = "$wheels_want" ]; then
   # KVOE_PIP_EXTRA: extra pip words, for a dry run elsewhere (e.g. --python-version 3.12 ...)
   # shellcheck disable=SC2086
   if python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
-      --no-cache-dir --upgrade ${KVOE_PIP_EXTRA:-} --target "$DEST/site" "$SRC"/wheels/*.whl \
+      --no-cache-dir --upgrade ${KVOE_PIP_EXTRA:-} --target "$DEST/site" "$DEST"/wheels/*.whl \
       >"$DEST/pip.log" 2>&1; then
     touch "$DEST/.deps-ok"
-    echo "kvoe-gpu: installed $(find "$SRC/wheels" -name '*.whl' | wc -l) dependency wheels"
+    echo "kvoe-gpu: installed $wheels_have dependency wheels"
   else
     tail -20 "$DEST/pip.log"
     fail "pip install of the dependency wheels failed"
@@ -113,7 +125,7 @@ EOF
   echo "KVOE-GPU OK $versions site=$DEST/site ($(elapsed)s)"
   exit 0
 fi
-deps=no; [ -e "$DEST/.deps-ok" ] && deps=yes
+deps="no (wheels $wheels_have of $wheels_want)"; [ -e "$DEST/.deps-ok" ] && deps=yes
 echo "KVOE-GPU PARTIAL deps=$deps parts have=[${have[*]:-}] missing=[${lack[*]:-}] ($(elapsed)s)"
 [ "$REQUIRE" = 1 ] && exit 4
 exit 0
