@@ -25,6 +25,15 @@ from exporter.thresholds import Thresholds
 from exporter.webconfig import WebConfigError, load_web_config
 
 DEFAULT_PORT = 9747
+# CPU buffer sizes the what-if simulates by default, up to 32 GiB. Up to 16 GiB (until
+# session 15) the held-out 14B shape on RAG traffic was told offload would not pay, where 30
+# GiB paid 5.5 % (docs/gpu-acceptance.md, "a shape held out"). 32 GiB pins ~56 GiB on vLLM
+# 0.26, the largest the H200 host (128 GiB) can verify; larger hosts add sizes with
+# --whatif-sizes. Sizes above the headroom under a container memory limit, where there is
+# one, are never recommended.
+DEFAULT_WHATIF_SIZES: tuple[int, ...] = tuple(
+    int(g * (1 << 30)) for g in (0.25, 0.5, 1, 2, 4, 8, 16, 32)
+)
 
 
 class ConfigError(ValueError):
@@ -200,7 +209,7 @@ CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "whatif-sizes",
         "bytes_list",
-        [int(g * (1 << 30)) for g in (0.25, 0.5, 1, 2, 4, 8, 16)],
+        list(DEFAULT_WHATIF_SIZES),
         "CPU offload buffer sizes to simulate (comma-separated, e.g. 0.5GiB,1GiB)",
         "SIZES",
     ),
@@ -276,7 +285,7 @@ class Config:
     record_events: str = ""
     record: str = ""
     state_file: str = ""
-    whatif_sizes: Sequence[int] = tuple(int(g * (1 << 30)) for g in (0.25, 0.5, 1, 2, 4, 8, 16))
+    whatif_sizes: Sequence[int] = DEFAULT_WHATIF_SIZES
     whatif_policy: str = "lru"
     whatif_store_threshold: int = 0
     whatif_model: str = "vllm"

@@ -27,7 +27,8 @@ from bench.advice_eval import (
     matrixkit,
     summary,
 )
-from exporter.replay import Step
+from exporter.config import Config
+from exporter.replay import Step, replay_one
 
 GIB = 1 << 30
 
@@ -74,6 +75,29 @@ def test_the_matrix_is_there_and_every_label_is_measured(evals) -> None:  # type
             assert e.pair_size_bytes not in {x.offload_bytes for x in mine}, e.run
 
 
+def test_the_held_out_shape_is_judged_like_the_matrix(evals) -> None:  # type: ignore[no-untyped-def]
+    """Session 15 recorded a shape the advisor was never tuned on (qwen3-14b, chat and
+    RAG-Zipf; bench/gpu/scenarios/holdout.json) after its rules were fixed: its six runs are
+    judged by every test here like the matrix's. With the what-if's sizes of until then (up to
+    16 GiB) its RAG-Zipf engine without offload was told offload would not pay, where the
+    same sequence measured a saving with 30 GiB; with the default sizes (up to 32 GiB) it is
+    told to enable 32 GiB."""
+    held = {e.run: e for e in evals if e.run.startswith("qwen3-14b-")}
+    assert len(held) == 6
+    rag = MATRIX / "qwen3-14b-rag-zipf-none"
+    truth = matrixkit.paired_truth(_requests(rag), _requests(MATRIX / "qwen3-14b-rag-zipf-cpu192k"))
+    assert truth["verdict"] == "pays"
+    sizes = tuple(s for s in Config().whatif_sizes if s <= 16 * GIB)
+    (until,) = replay_one(rag, Config(whatif_sizes=sizes)).final.targets[0].engines
+    assert (until.advice.action, until.advice.reason) == (
+        "no_action",
+        "predicted_saving_immaterial",
+    )
+    now = held["qwen3-14b-rag-zipf-none"]
+    assert (now.action, now.recommended_bytes) == ("enable_offload", 32 * GIB)
+    assert not now.harmful
+
+
 def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untyped-def]
     """80 % of the runs reach a decision within 5 minutes of traffic (issue 16)."""
     s = summary(evals)
@@ -89,8 +113,12 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
 
 
 @unmet_goal(
-    "55 of 66 (83 %) since session 13 at the default --interval 1 (47 at 5 s), all eleven "
-    "misses runs without a decision, none harmful: "
+    "46 of 59 (78 %) since session 15 at the default --interval 1, all thirteen misses runs "
+    "without a decision, none harmful. Session 15's held-out 14B shape adds two (chat and "
+    "RAG-Zipf with 30 GiB wait alone, as 8B and 32B chat do; both keep after their run "
+    "without offload), and since the what-if's default sizes reach 32 GiB ten 32B runs that "
+    "agreed at 16 GiB recommend 32 GiB, unverified until those runs are recorded "
+    "(close-the-loop.json); 55 of 66 before. The eleven of session 13: "
     "the 0.6B chat pair with 21 GiB on one machine (costs 28 %) labels that size, and its run "
     "and session 11's have no decision (a loaded token's saving 13.5 +- 18.4 and 7.9 +- 15.6 "
     "us); 0.6B long-context with 7 GiB, twice (kept, harmful, until session 12; session 13 "
@@ -259,7 +287,7 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
 
 
 @unmet_goal(
-    "17 of 44 miss (docs/gpu-acceptance.md; 0.6B chat at 7 and 21 GiB, 32B long-context at "
+    "18 of 48 miss (docs/gpu-acceptance.md; 0.6B chat at 7 and 21 GiB, 32B long-context at "
     "48 GiB and 0.6B long-context at 7 GiB again, new in sessions 11-13, are within): "
     "32B concurrent at 16 GiB from its control, "
     "predicted +0.571 s/s, measured +0.446 (28 % high; the same sequence from the replicate, "
@@ -278,7 +306,10 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
     "+0.32 and +0.33, measured +0.48 and +0.49 (each hit saves 374 us of summed TTFT where the "
     "TTFT fit prices a computed token at 318 us); 8B chat at 16 GiB, predicted +0.019, measured "
     "-0.015 (the slower of two runs of the same work); 8B unique at 9 GiB, predicted -0.017, "
-    "measured -0.041 (a store delays its request ~2x its copy time there)",
+    "measured -0.041 (a store delays its request ~2x its copy time there); the held-out 14B "
+    "RAG-Zipf at 10 GiB, predicted -0.002, measured -0.036 (the requests that loaded nothing "
+    "took 8.3 ms more each with the full 10 GiB tier, 0.1 ms less with 30 GiB; its other three "
+    "predictions are within)",
 )
 def test_every_saving_predicted_before_enabling_matches_what_enabling_measured(evals) -> None:  # type: ignore[no-untyped-def]
     s = summary(evals)

@@ -457,28 +457,7 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
             f'{{"store_threshold": {with_threshold.store_threshold}}} so only prefixes seen '
             "again are offloaded.",
         )
-    if whatif is not None and whatif.configured_hit_ratio is not None:
-        grow = _bigger_size(inp, th, headroom)
-        if grow is not None:
-            return advice(
-                Action.GROW_BUFFER,
-                Reason.BUFFER_TOO_SMALL,
-                f"The what-if replay reaches {pct(grow.hit_ratio)} with "
-                f"{gib(grow.cpu_buffer_bytes)} against {pct(whatif.configured_hit_ratio)} "
-                f"with the configured {gib(d.offload_buffer_bytes)}." + _reuse_gap_note(inp),
-                grow.cpu_buffer_bytes,
-            )
-        shrink = _smaller_size(inp, th)
-        if shrink is not None:
-            return advice(
-                Action.SHRINK_BUFFER,
-                Reason.BUFFER_LARGER_THAN_NEEDED,
-                f"The what-if replay reaches {pct(shrink.hit_ratio)} with only "
-                f"{gib(shrink.cpu_buffer_bytes)}, about what the configured "
-                f"{gib(d.offload_buffer_bytes)} gives ({pct(whatif.configured_hit_ratio)}); "
-                "the rest of the pinned pool is wasted memory.",
-                shrink.cpu_buffer_bytes,
-            )
+    # Why the tier pays, said with a resize too: a size is worth changing only because it does.
     gain = ""
     if saving is not None:
         how = (
@@ -495,6 +474,28 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
         )
     elif bal is not None and (share := bal.share()) is not None:
         gain += f" Over the window {_balance_text(bal)} ({pct(share)} of TTFT)."
+    if whatif is not None and whatif.configured_hit_ratio is not None:
+        grow = _bigger_size(inp, th, headroom)
+        if grow is not None:
+            return advice(
+                Action.GROW_BUFFER,
+                Reason.BUFFER_TOO_SMALL,
+                f"The what-if replay reaches {pct(grow.hit_ratio)} with "
+                f"{gib(grow.cpu_buffer_bytes)} against {pct(whatif.configured_hit_ratio)} "
+                f"with the configured {gib(d.offload_buffer_bytes)}." + _reuse_gap_note(inp) + gain,
+                grow.cpu_buffer_bytes,
+            )
+        shrink = _smaller_size(inp, th)
+        if shrink is not None:
+            return advice(
+                Action.SHRINK_BUFFER,
+                Reason.BUFFER_LARGER_THAN_NEEDED,
+                f"The what-if replay reaches {pct(shrink.hit_ratio)} with only "
+                f"{gib(shrink.cpu_buffer_bytes)}, about what the configured "
+                f"{gib(d.offload_buffer_bytes)} gives ({pct(whatif.configured_hit_ratio)}); "
+                "the rest of the pinned pool is wasted memory." + gain,
+                shrink.cpu_buffer_bytes,
+            )
     beat = (
         f"reloads beat recomputing (speedup {d.transfer_speedup or float('nan'):.2f})"
         if not proven
