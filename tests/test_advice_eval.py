@@ -23,6 +23,7 @@ from bench.advice_eval import (
     _swings,
     _timeline,
     evaluate,
+    held_out,
     markdown,
     matrixkit,
     summary,
@@ -82,8 +83,9 @@ def test_the_held_out_shape_is_judged_like_the_matrix(evals) -> None:  # type: i
     16 GiB) its RAG-Zipf engine without offload was told offload would not pay, where the
     same sequence measured a saving with 30 GiB; with the default sizes (up to 32 GiB) it is
     told to enable 32 GiB."""
-    held = {e.run: e for e in evals if e.run.startswith("qwen3-14b-")}
-    assert len(held) == 6
+    held = {e.run: e for e in evals if e.run in held_out()}
+    assert len(held) == 6 and all(run.startswith("qwen3-14b-") for run in held)
+    assert "Held out (`bench/gpu/scenarios/holdout.json`" in markdown(evals)
     rag = MATRIX / "qwen3-14b-rag-zipf-none"
     truth = matrixkit.paired_truth(_requests(rag), _requests(MATRIX / "qwen3-14b-rag-zipf-cpu192k"))
     assert truth["verdict"] == "pays"
