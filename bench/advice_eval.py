@@ -68,16 +68,12 @@ COSTS_ACTIONS = frozenset({"no_action", "disable_offload"})
 GOALS = {"agreement": 0.90, "decided": 0.80, "decision_within_s": 300.0}
 # Scenarios recorded after the advisor's rules were fixed, on a shape it was not tuned on:
 # reported on their own as well, the closest the recordings come to runs it has not seen.
-HOLDOUT = matrixkit.SCENARIO_DIR / "holdout.json"
+HOLDOUT = "holdout.json"
 
 
 def held_out() -> frozenset[str]:
     """The run names bench/gpu/scenarios/holdout.json defines."""
-    shapes = matrixkit.load_shapes(json.loads((matrixkit.SCENARIO_DIR / "shapes.json").read_text()))
-    workloads = matrixkit.load_workloads(
-        json.loads((matrixkit.SCENARIO_DIR / "workloads.json").read_text())
-    )
-    return frozenset(matrixkit.expand_matrix(json.loads(HOLDOUT.read_text()), shapes, workloads))
+    return frozenset(matrixkit.load_scenarios(files=(HOLDOUT,)))
 
 
 PREDICTION_REL, PREDICTION_ABS = 0.25, 0.02
@@ -489,6 +485,7 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
     return {
         "runs": len(evals),
         "verified": len(labelled),
+        "agreeing": sum(e.agrees for e in labelled),
         "agreement": sum(e.agrees for e in labelled) / len(labelled) if labelled else None,
         "harmful": [e.run for e in evals if e.harmful or e.harmful_at_s],
         "harmful_3pct": [e.run for e in evals if e.harmful_3pct],
@@ -496,12 +493,14 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         "unmeasured": [
             f"{e.run}: {a} {_gib(b)} at {t:.0f} s" for e in evals for t, a, b in e.unmeasured
         ],
+        "decided_runs": len(in_time),
         "decided": len(in_time) / len(evals) if evals else None,
         "predictions": len(predictions),
         "predictions_ok": sum(bool(p.ok) for p in predictions),
         "prediction_misses": [f"{p.run} at {_gib(p.size_bytes)}" for p in predictions if not p.ok],
         "after": {
             "verified": len(after),
+            "agreeing": sum(a.agrees for a in after),
             "agreement": sum(a.agrees for a in after) / len(after) if after else None,
             "harmful": [e.run for e in evals if e.after is not None and e.after.harmful],
         },
@@ -602,21 +601,17 @@ def markdown(evals: Sequence[RunEval]) -> str:
         f"{after_agreement} of {after['verified']} verified; harmful: "
         f"{', '.join(after['harmful']) or 'none'}.",
     ]
-    names = held_out()
-    held = [e for e in evals if e.run in names]
+    held = [e for e in evals if e.run in held_out()]
     if held:
         h = summary(held)
-        agreed = sum(e.agrees for e in held if e.verified)
         rows += [
             "",
-            f"Held out (`bench/gpu/scenarios/holdout.json`, recorded after the rules were fixed): "
-            f"{len(held)} runs; agreement {agreed} of {h['verified']} verified; decided within "
-            f"{GOALS['decision_within_s']:.0f} s: "
-            f"{round((h['decided'] or 0.0) * len(held))} of {len(held)}; harmful: "
-            f"{', '.join(h['harmful']) or 'none'}; predictions within tolerance: "
+            f"Held out (`bench/gpu/scenarios/{HOLDOUT}`, recorded after the rules were fixed): "
+            f"{h['runs']} runs; agreement {h['agreeing']} of {h['verified']} verified; decided "
+            f"within {GOALS['decision_within_s']:.0f} s: {h['decided_runs']} of {h['runs']}; "
+            f"harmful: {', '.join(h['harmful']) or 'none'}; predictions within tolerance: "
             f"{h['predictions_ok']} of {h['predictions']}; after their run without offload: "
-            f"{sum(e.after.agrees for e in held if e.after and e.after.verified)} of "
-            f"{h['after']['verified']} verified agree.",
+            f"{h['after']['agreeing']} of {h['after']['verified']} verified agree.",
         ]
     return "\n".join(rows) + "\n"
 

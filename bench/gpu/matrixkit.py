@@ -254,12 +254,17 @@ def _args_tag(args: Sequence[str]) -> str:
     return hashlib.sha256("\0".join(args).encode()).hexdigest()[:8]
 
 
-def load_scenarios(directory: Path = SCENARIO_DIR) -> dict[str, Scenario]:
+def load_scenarios(
+    directory: Path = SCENARIO_DIR, files: Sequence[str] | None = None
+) -> dict[str, Scenario]:
+    """The scenarios of every scenario file in directory, or of `files` (names) only."""
     shapes = load_shapes(json.loads((directory / "shapes.json").read_text()))
     workloads = load_workloads(json.loads((directory / "workloads.json").read_text()))
     out: dict[str, Scenario] = {}
     for f in sorted(directory.glob("*.json")):
-        if f.name in ("shapes.json", "workloads.json"):
+        if f.name in ("shapes.json", "workloads.json") or (
+            files is not None and f.name not in files
+        ):
             continue
         out.update(expand_matrix(json.loads(f.read_text()), shapes, workloads))
     return out
