@@ -60,15 +60,44 @@ def start(
     )
 
 
-def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 20.0) -> None:
-    """SIGTERM the whole process group (vLLM forks an engine core), then SIGKILL."""
-    if proc is None or proc.poll() is not None:
+def group_members(pgid: int) -> list[int]:
+    """The live processes of a process group (zombies are dead already: their parent or
+    init reaps them)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            state, _ppid, pgrp = (d / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if pgrp == str(pgid) and state != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 20.0, linger: float = 10.0) -> None:
+    """SIGTERM the whole process group (vLLM forks an engine core), then SIGKILL, and return
+    only once no process of the group is alive. The leader exiting is not enough: Python's
+    multiprocessing resource tracker, which vLLM starts, ignores SIGTERM and leaves once its
+    clients are gone, a moment after them (a demo test once found it still running); what
+    is left after `linger` seconds is killed."""
+    if proc is None:
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
+    pgid = proc.pid
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            proc.wait(5)
+    deadline = time.monotonic() + linger
+    while group_members(pgid):
+        if time.monotonic() >= deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
