@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.store_cost import COMPUTED, LOADED, MATRIX, MIN_POINTS, REPO, _intervals, _metas
+from bench.store_cost import COMPUTED, LOADED, MATRIX, MIN_POINTS, REPO, intervals, load_metas
 from exporter.model.derive.fits import offload_fit, prefill_fit
 from exporter.thresholds import Thresholds
 
@@ -80,7 +80,7 @@ def measure(root: Path, run: str, base: str, truth: str, store_factor: float) ->
     peak = PEAK_BF16_FLOPS.get(str(gpu.get("name"))) if isinstance(gpu, dict) else None
     weights = weight_bytes((root / run / "server_log.txt").read_text(errors="replace"))
     floor = weights / peak if weights is not None and peak else None
-    b_int, o_int = _intervals(root / base), _intervals(root / run)
+    b_int, o_int = intervals(root / base), intervals(root / run)
     before = prefill_fit(
         [tuple(d[k] for k in ("ttft_requests", COMPUTED, "ttft_seconds")) for d in b_int],
         MIN_POINTS,
@@ -129,7 +129,7 @@ def measure(root: Path, run: str, base: str, truth: str, store_factor: float) ->
 def rows(root: Path = MATRIX) -> list[Row]:
     """Every offload run with a run without offload on its machine, judged in its family's
     noise band as bench/advice_eval.py does."""
-    metas = _metas(root)
+    metas = load_metas(root)
     records = {name: matrixkit.load_requests(root / name) for name in metas}
     noise = matrixkit.family_noise(metas, records)
     factor = Thresholds().store_cost_factor_max

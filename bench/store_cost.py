@@ -81,7 +81,7 @@ def _scrapes(run: Path) -> list[dict[str, float]]:
     return out
 
 
-def _intervals(run: Path) -> list[dict[str, float]]:
+def intervals(run: Path) -> list[dict[str, float]]:
     """Per scrape interval the counters' increase, for the intervals in which a first token
     came (the exporter's fits take the same)."""
     s = _scrapes(run)
@@ -161,7 +161,7 @@ def _correlation(x: Sequence[float], y: Sequence[float]) -> float | None:
 
 
 def measure(run: Path, base: Path) -> Row:
-    b_int, o_int = _intervals(base), _intervals(run)
+    b_int, o_int = intervals(base), intervals(run)
     computed = sum(d[COMPUTED] for d in o_int)
     kv_bytes = json.loads((run / "meta.json").read_text()).get("kv_bytes_per_token")
     share = corr = None
@@ -192,12 +192,12 @@ def measure(run: Path, base: Path) -> Row:
     )
 
 
-def _metas(root: Path) -> dict[str, dict[str, Any]]:
+def load_metas(root: Path) -> dict[str, dict[str, Any]]:
     return {p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/meta.json"))}
 
 
 def rows(root: Path = MATRIX) -> list[Row]:
-    metas = _metas(root)
+    metas = load_metas(root)
     out = []
     for name, meta in sorted(metas.items()):
         if not isinstance(meta.get("offload"), dict):
@@ -271,7 +271,7 @@ def score(js: Sequence[Judged], factor: float) -> dict[str, Any]:
 
 def judged(root: Path = MATRIX) -> list[Judged]:
     """Every offload run with a base on its machine, its truth and its window's balance."""
-    metas = _metas(root)
+    metas = load_metas(root)
     records = {name: matrixkit.load_requests(root / name) for name in metas}
     noise = matrixkit.family_noise(metas, records)
     out = []
@@ -280,7 +280,7 @@ def judged(root: Path = MATRIX) -> list[Judged]:
         if base is None:
             continue
         truth = matrixkit.family_truth(metas, records, noise, base, name)["verdict"]
-        iv = _intervals(root / name)
+        iv = intervals(root / name)
         fit = offload_fit(
             [tuple(d[k] for k in ("ttft_requests", COMPUTED, LOADED, "ttft_seconds")) for d in iv],
             MIN_POINTS,
