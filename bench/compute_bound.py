@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.common import markdown_table
 from bench.store_cost import COMPUTED, LOADED, MATRIX, MIN_POINTS, REPO, intervals, load_metas
 from exporter.model.derive.fits import offload_fit, prefill_fit
 from exporter.thresholds import Thresholds
@@ -163,7 +164,7 @@ def table(rs: Sequence[Row]) -> str:
         "net after the stores, share of TTFT",
         "truth",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for r in rs:
         cells = [
             r.run,
@@ -178,8 +179,8 @@ def table(rs: Sequence[Row]) -> str:
             "-" if r.net_share_at_least is None else f"{100 * r.net_share_at_least:+.1f}%",
             r.truth,
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return markdown_table(head, body)
 
 
 @dataclass(frozen=True, slots=True)

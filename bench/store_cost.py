@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import markdown_table
 from exporter import expfmt
 from exporter.model.derive.balance import OffloadBalance, offload_balance
 from exporter.model.derive.fits import offload_fit, prefill_fit
@@ -221,9 +222,7 @@ def table(rs: Sequence[Row]) -> str:
         "stored / computed tokens",
         "correlation per interval",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r.cells()) + " |" for r in rs]
-    return "\n".join(lines)
+    return markdown_table(head, [r.cells() for r in rs])
 
 
 # Store cost factors tried: from the copy time itself to twice the largest TTFT rise over it
