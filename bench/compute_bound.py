@@ -29,18 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import markdown_table
-from bench.store_cost import COMPUTED, LOADED, MATRIX, MIN_POINTS, REPO, intervals, load_metas
+from bench.store_cost import COMPUTED, LOADED, MATRIX, MIN_POINTS, intervals, paired
 from exporter.model.derive.fits import offload_fit, prefill_fit
 from exporter.thresholds import Thresholds
-
-sys.path.insert(0, str(REPO / "bench" / "gpu"))
-import matrixkit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
 
 # Dense BF16 tensor peak (FLOP/s) per NVML GPU name, from NVIDIA's datasheets (the SXM parts;
 # the H200 of the matrix). A peak that is too low would raise the floor above the truth.
@@ -130,18 +126,8 @@ def measure(root: Path, run: str, base: str, truth: str, store_factor: float) ->
 def rows(root: Path = MATRIX) -> list[Row]:
     """Every offload run with a run without offload on its machine, judged in its family's
     noise band as bench/advice_eval.py does."""
-    metas = load_metas(root)
-    records = {name: matrixkit.load_requests(root / name) for name in metas}
-    noise = matrixkit.family_noise(metas, records)
     factor = Thresholds().store_cost_factor_max
-    out = []
-    for name, meta in sorted(metas.items()):
-        base = matrixkit.base_run(metas, name) if isinstance(meta.get("offload"), dict) else None
-        if base is None:
-            continue
-        truth = str(matrixkit.family_truth(metas, records, noise, base, name)["verdict"])
-        out.append(measure(root, name, base, truth, factor))
-    return out
+    return [measure(root, name, base, truth, factor) for name, _, base, truth in paired(root)]
 
 
 def _f(x: float | None, fmt: str, err: float | None = None) -> str:

@@ -268,17 +268,25 @@ def score(js: Sequence[Judged], factor: float) -> dict[str, Any]:
     return out
 
 
-def judged(root: Path = MATRIX) -> list[Judged]:
-    """Every offload run with a base on its machine, its truth and its window's balance."""
+def paired(root: Path = MATRIX) -> list[tuple[str, dict[str, Any], str, str]]:
+    """(run, meta, base, truth) of every offload run with a base on its machine, its truth
+    judged in its family's noise band as bench/advice_eval.py does."""
     metas = load_metas(root)
     records = {name: matrixkit.load_requests(root / name) for name in metas}
     noise = matrixkit.family_noise(metas, records)
     out = []
     for name, meta in sorted(metas.items()):
         base = matrixkit.base_run(metas, name) if isinstance(meta.get("offload"), dict) else None
-        if base is None:
-            continue
-        truth = matrixkit.family_truth(metas, records, noise, base, name)["verdict"]
+        if base is not None:
+            truth = str(matrixkit.family_truth(metas, records, noise, base, name)["verdict"])
+            out.append((name, meta, base, truth))
+    return out
+
+
+def judged(root: Path = MATRIX) -> list[Judged]:
+    """Every offload run with a base on its machine, its truth and its window's balance."""
+    out = []
+    for name, meta, _base, truth in paired(root):
         iv = intervals(root / name)
         fit = offload_fit(
             [tuple(d[k] for k in ("ttft_requests", COMPUTED, LOADED, "ttft_seconds")) for d in iv],
