@@ -106,6 +106,14 @@ def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untype
     assert s["decided"] >= s["goals"]["decided"]
 
 
+@unmet_goal(
+    "Not met since session 17: qwen3-14b-rag-zipf-none-ctl, the control of the 14B RAG-Zipf "
+    "pair with 32 GiB (pays 6.4 % on its machine), says no_action (predicted_saving_immaterial): "
+    "the what-if predicts +0.0019 s/s at 32 GiB for +0.0163 measured, 0.4 % of TTFT for 6.4 "
+    "%, under the 3 % that pays. The family's first run without offload, on session 15's "
+    "machine (the control ran 18.4 % slower), enables 32 GiB. The same low price of a "
+    "computed token on RAG-Zipf that makes its 32 GiB run's disable harmful (below)"
+)
 def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no-untyped-def]
     """Where the advice settles on an action and a run of its size exists, it agrees with the
     truth: the runs that miss the agreement goal are the ones without a decision."""
@@ -115,8 +123,12 @@ def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no
 
 
 @unmet_goal(
-    "60 of 74 (81 %) since session 16 at the default --interval 1, all fourteen misses runs "
-    "without a decision, none harmful. Session 16 recorded five of the sizes the 32 GiB "
+    "65 of 82 (79 %) since session 17 at the default --interval 1, every run verified: "
+    "sixteen misses without a decision and 14B RAG-Zipf's control without offload "
+    "(no_action where 32 GiB pays 6.4 %); session 17 recorded 14B RAG-Zipf and 32B chat "
+    "with 32 GiB, both pay: the four advices that waited for those sizes agree, and of its "
+    "four new runs the 32B chat control agrees. 60 of 74 (81 %) in session 16, all fourteen "
+    "misses runs without a decision. Session 16 recorded five of the sizes the 32 GiB "
     "what-if opened, each with a control (32B concurrent and RAG-Zipf with 32 GiB, 14B chat "
     "with 16 GiB: all pay), which verifies nine advices, all agreeing; its 14B chat run with "
     "16 GiB waits alone as the 30 GiB one does and keeps after its control; four runs wait "
@@ -178,6 +190,16 @@ def test_after_enabling_the_cost_measured_without_offload_only_adds_decisions(ev
     )
 
 
+@unmet_goal(
+    "Not met since session 17 (82 recordings): qwen3-14b-rag-zipf-cpu32g, recorded on a "
+    "machine where its control ran 18.4 % slower than the family's first run without "
+    "offload, pays 6.4 % against that control, yet at 121, 150 and 173 s its window's "
+    "balance, at twice the store copy time, reached an upper end under the 3 % that pays, "
+    "so it settled disable_offload (ttft_saving_immaterial) for a second each time before "
+    "going back to reload_benefit_unmeasured (at the end: net +0.12 +- 1.69 s, -4.1 % .. "
+    "+4.3 %). The balance's interval misses the measured 6.4 % (RAG-Zipf's fits err low, "
+    "docs/gpu-acceptance.md, a computed token's floor). After its control it keeps (agrees)"
+)
 def test_no_advice_is_harmful(evals) -> None:  # type: ignore[no-untyped-def]
     """The issue's hard goal, on every run: no enable, keep, grow or shrink where offload
     costs at the size in question, no disable where it pays, neither at the end nor settled
