@@ -252,7 +252,12 @@ async def _replay(run: Run, th: Thresholds, until: float | None, kv_override: bo
     )
     sim = WhatIf(settings)
     msgs = run.events()
-    advisor = Advisor(th, confirm=3)
+    # Every evaluation counts: these runs last 17-41 s and their evidence crosses
+    # min_window_seconds at 15 s, so a first decision has two or three evaluations left
+    # before the recording ends, fewer than the hysteresis needs to confirm it. What the
+    # hysteresis does is checked on the H200 matrix's 3-minute runs (tests/test_advice_eval.py)
+    # and in tests/model/advisor/test_hysteresis.py.
+    advisor = Advisor(th, confirm=1)
     cycles: list[Cycle] = []
     fed = 0
     with server:
@@ -580,7 +585,6 @@ def test_advice_over_the_whole_run(run: Run) -> None:
     cycles = replay(run)
     last = cycles[-1]
     check_advice(run, last.advice, whole=True)
-    assert last.advice.candidate is None  # settled, nothing pending
     if last.advice.action == Action.ENABLE_OFFLOAD:
         assert last.advice.recommended_buffer_bytes in _whatif_sizes(run)
     # The evidence override is the only reason there is advice at all.

@@ -22,12 +22,11 @@ class Advisor:
         key = (target, inp.derived.key)
         fresh = evaluate(inp, self.thresholds)
         current = self._current.get(key)
-        if (
-            current is None
-            or fresh.action == current.action
-            or fresh.action in URGENT
-            or current.action == Action.INSUFFICIENT_DATA
-        ):
+        # Leaving insufficient_data is a change like any other: a first decision comes from
+        # the thinnest evidence the window will hold, and one that does not hold for
+        # `confirm` evaluations is not one to act on (14B RAG-Zipf with 32 GiB on the H200
+        # flickered into disable_offload for a single second, twice, out of waiting).
+        if current is None or fresh.action == current.action or fresh.action in URGENT:
             self._pending.pop(key, None)
             self._current[key] = fresh
             return fresh

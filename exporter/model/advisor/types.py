@@ -47,6 +47,7 @@ class Reason(StrEnum):
     SPEEDUP_UNCERTAIN = "speedup_uncertain"
     NO_REUSE = "no_reuse"
     RELOAD_BENEFIT_UNMEASURED = "reload_benefit_unmeasured"
+    TIER_STILL_FILLING = "tier_still_filling"
     STORES_WITHOUT_REUSE_PCIE_BUSY = "stores_without_reuse_pcie_busy"
     STORES_NEVER_LOADED = "stores_never_loaded"
     BUFFER_LARGER_THAN_NEEDED = "buffer_larger_than_needed"
@@ -210,6 +211,12 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
             "the CPU tier serves hits but the TTFT fit cannot yet show that a loaded token "
             "saves time, or the window's balance still reaches a cost (at its lower end, or with "
             "the stores at `store_cost_factor_max` times their copy time)",
+        ),
+        Reason.TIER_STILL_FILLING: ReasonInfo(
+            Action.INSUFFICIENT_DATA,
+            "offload on and, so far, saving too little or serving too few hits to keep, but the "
+            "CPU tier has stored less than its size since the engine started: it has never "
+            "been full, and its hits are still growing",
         ),
         Reason.STORES_WITHOUT_REUSE_PCIE_BUSY: ReasonInfo(
             Action.RAISE_STORE_THRESHOLD,

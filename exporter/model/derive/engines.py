@@ -106,6 +106,20 @@ class EngineDerived:
     # Offload on, with the engine's TTFT fit from before it was enabled: what enabling saved.
     delivered: DeliveredSaving | None = None
     load_wait_share: float = 0.0  # of a prefill, per load beyond its copy (DeriveSettings)
+    # Bytes vLLM stored to the CPU tier since the engine started (its own counter, not the
+    # window's): a restart empties the tier and the counter alike.
+    offload_stored_bytes: float | None = None
+
+    @property
+    def tier_filling(self) -> bool:
+        """The CPU tier has stored less than its size since the engine started, so it has
+        never been full: every prefix it stored is still there, and as it fills, more of the
+        traffic finds its prefix in it. Its hits, and what they save, are still growing."""
+        return (
+            self.offload_buffer_bytes is not None
+            and self.offload_stored_bytes is not None
+            and self.offload_stored_bytes < self.offload_buffer_bytes
+        )
 
 
 def _ratio(sums: tuple[float, ...] | None) -> float | None:
@@ -387,6 +401,7 @@ def derive_engine(
         transfer_speedup=speedup,
         transfer_speedup_lower=speedup_lower,
         load_wait_share=settings.load_wait_share,
+        offload_stored_bytes=es.counters.get("store_bytes") if enabled else None,
         window=window,
         totals=dict(totals),
         backend=backend_derived(

@@ -59,15 +59,25 @@ def test_advisor_keeps_engines_and_targets_apart():
     assert adv.update("a", other).action == Action.KEEP
 
 
-def test_advisor_leaves_insufficient_data_at_once_and_refreshes_held_numbers():
-    adv = Advisor(confirm=5)
-    assert adv.update("t", inp(base(fresh=False))).action == Action.INSUFFICIENT_DATA
-    assert adv.update("t", inp(base(**ON))).action == Action.KEEP  # no hysteresis out of it
+def test_advisor_leaves_insufficient_data_only_once_the_decision_is_confirmed():
+    adv = Advisor(confirm=3)
+    stale = inp(base(fresh=False))
+    keep = inp(base(**ON))
     drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    assert adv.update("t", stale).action == Action.INSUFFICIENT_DATA
+    # A first decision is a change like any other: one evaluation of it is not enough.
     held = adv.update("t", drop)
-    assert (held.action, held.reason) == (Action.KEEP, "paying_off")
-    assert held.candidate == Action.DISABLE_OFFLOAD
+    assert (held.action, held.candidate) == (Action.INSUFFICIENT_DATA, Action.DISABLE_OFFLOAD)
     assert held.numbers == evaluate(drop).numbers  # the latest numbers, the standing action
+    # A flicker back to waiting restarts the count: disable never stood.
+    assert adv.update("t", stale).action == Action.INSUFFICIENT_DATA
+    assert [adv.update("t", keep).action for _ in range(3)] == [
+        Action.INSUFFICIENT_DATA,
+        Action.INSUFFICIENT_DATA,
+        Action.KEEP,
+    ]
+    # And going back to waiting is immediate: the evidence behind the keep is gone.
+    assert adv.update("t", stale).action == Action.INSUFFICIENT_DATA
 
 
 def test_advisor_confirm_below_one_means_every_evaluation_counts():
