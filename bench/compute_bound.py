@@ -11,44 +11,36 @@ decide what the window alone leaves open:
 
     .venv/bin/python -m bench.compute_bound [--json]
 
-Per run: the weight bytes vLLM logged ("Model loading took X GiB" in server_log.txt), the
-floor, the baseline (the TTFT fit of a computed token on the run without offload of the same
+Per run: the weight bytes vLLM logged (meta.json's model_weight_bytes, from "Model loading
+took X GiB" in its log), the floor (exporter/model/derive/compute.py, as the advisor has it),
+the baseline (the TTFT fit of a computed token on the run without offload of the same
 sequence and machine, matrixkit.base_run) and floor / baseline, where the baseline is
 significant: the floor must not lie above the baseline's ~95 % interval; then the offload
 run's own fit of a loaded token, the saving the loaded tokens make at least (floor less a
 loaded token's cost at the upper end of its ~95 % interval, times the loaded tokens), that
 saving less the stores at `store_cost_factor_max` times their copy time as a share of the TTFT
-the traffic would have had without offload, and the run's measured truth. The advisor does
-not use the floor (docs/gpu-acceptance.md, "A computed token's floor"): a load's wait for a
-scheduler step is a per-request cost it does not charge, and a live exporter knows neither
-the weight bytes nor the GPU's peak yet.
+the traffic would have had without offload, and the run's measured truth. The fits here are
+the window's own, without the floor: whether the floor is safe is judged against them. Since
+session 18 the advisor bounds a computed token's cost by the floor where it knows the weight
+bytes (`--model-weight-bytes`) and the GPU's peak (docs/advisor.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import markdown_table
 from bench.store_cost import COMPUTED, LOADED, MATRIX, MIN_POINTS, intervals, paired
+from exporter.model.derive.compute import computed_token_floor
 from exporter.model.derive.fits import offload_fit, prefill_fit
+from exporter.recording import read_meta
 from exporter.thresholds import Thresholds
 
-# Dense BF16 tensor peak (FLOP/s) per NVML GPU name, from NVIDIA's datasheets (the SXM parts;
-# the H200 of the matrix). A peak that is too low would raise the floor above the truth.
-PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}
-LOADING = re.compile(r"Model loading took ([0-9.]+) GiB")
 GIB = 1 << 30
-
-
-def weight_bytes(server_log: str) -> float | None:
-    """The model's weights as vLLM logged them when it loaded the model."""
-    m = LOADING.search(server_log)
-    return float(m.group(1)) * GIB if m else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +64,10 @@ class Row:
 
 
 def measure(root: Path, run: str, base: str, truth: str, store_factor: float) -> Row:
-    meta = json.loads((root / run / "meta.json").read_text())
-    gpu = meta.get("gpu")
-    peak = PEAK_BF16_FLOPS.get(str(gpu.get("name"))) if isinstance(gpu, dict) else None
-    weights = weight_bytes((root / run / "server_log.txt").read_text(errors="replace"))
-    floor = weights / peak if weights is not None and peak else None
+    # The exporter's own floor from the recording's meta.json, as `replay` computes it.
+    meta = read_meta(root / run)
+    weights = meta.model_weight_bytes
+    floor = computed_token_floor(weights, meta.gpu_names)
     b_int, o_int = intervals(root / base), intervals(root / run)
     before = prefill_fit(
         [tuple(d[k] for k in ("ttft_requests", COMPUTED, "ttft_seconds")) for d in b_int],

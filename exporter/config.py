@@ -146,6 +146,23 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "SIZE",
     ),
     Option(
+        "model-weight-bytes",
+        "bytes",
+        0,
+        "the model's weights per GPU, as vLLM logs them at start (\"Model loading took X "
+        "GiB\"): with the GPU's peak they bound what a computed token costs from below "
+        "(docs/advisor.md; 0: unknown)",
+        "SIZE",
+    ),
+    Option(
+        "gpu-peak-flops",
+        "float",
+        0.0,
+        "the GPU's dense BF16 peak in FLOP/s, for a GPU the exporter's table does not list "
+        "(0: from the table by NVML's GPU name)",
+        "FLOPS",
+    ),
+    Option(
         "advice-confirm-cycles",
         "int",
         3,
@@ -262,6 +279,8 @@ class Config:
     max_body_bytes: int = 16 << 20
     kv_bytes_per_token: float = 0.0
     assumed_load_bandwidth: int = 0
+    model_weight_bytes: int = 0
+    gpu_peak_flops: float = 0.0
     advice_confirm_cycles: int = 3
     thresholds: Thresholds = DEFAULT_THRESHOLDS
     log_format: str = "text"
@@ -388,12 +407,16 @@ def _targets_from(values: dict[str, Any], problems: list[str]) -> tuple[TargetCo
         if not isinstance(item, dict) or "url" not in item:
             problems.append(f"{where}: expected a mapping with url")
             continue
-        unknown = set(item) - {"url", "name", "pid", "kv_bytes_per_token", *KV_EVENTS_TARGET_KEYS}
+        keys = {"url", "name", "pid", "kv_bytes_per_token", "model_weight_bytes"}
+        unknown = set(item) - keys - set(KV_EVENTS_TARGET_KEYS)
         if unknown:
             problems.append(f"{where}: unknown keys {sorted(unknown)}")
         try:
             pid = int(item["pid"]) if item.get("pid") is not None else None
             bpt = float(item["kv_bytes_per_token"]) if item.get("kv_bytes_per_token") else None
+            weights = (
+                parse_bytes(item["model_weight_bytes"]) if item.get("model_weight_bytes") else None
+            )
         except (TypeError, ValueError) as exc:
             problems.append(f"{where}: {exc}")
             continue
@@ -403,6 +426,7 @@ def _targets_from(values: dict[str, Any], problems: list[str]) -> tuple[TargetCo
                 name=str(item.get("name") or ""),
                 pid=pid,
                 kv_bytes_per_token=bpt,
+                model_weight_bytes=weights,
             )
         )
     for t in out:
@@ -589,6 +613,8 @@ def _value_problems(cfg: Config) -> list[str]:
         problems.append("--advice-confirm-cycles must be at least 1")
     if cfg.kv_bytes_per_token < 0:
         problems.append("--kv-bytes-per-token must not be negative")
+    if not 0 <= cfg.gpu_peak_flops < math.inf:
+        problems.append("--gpu-peak-flops must be a finite FLOP/s, not negative")
     if not 0 <= cfg.nvml_poll_interval <= 1:
         problems.append("--nvml-poll-interval must be in [0, 1] seconds (0: from the link)")
     if cfg.vllm_pid is not None and cfg.vllm_pid <= 0:

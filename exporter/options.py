@@ -50,6 +50,7 @@ class TargetConfig:
     name: str = ""
     pid: int | None = None
     kv_bytes_per_token: float | None = None
+    model_weight_bytes: float | None = None  # per GPU, for a computed token's floor
     max_engines: int = DEFAULT_MAX_ENGINES  # engine label sets kept per scrape
 
     @property

@@ -9,7 +9,8 @@ A recording is a directory:
   integers (the format of `--record-events`);
 - `meta.json` (optional): what a live exporter learns from /proc and NVML,
   `{"vllm_argv": [...], "link_bandwidth_bytes_per_second": <float>,
-  "kv_bytes_per_token": <int>, "machine": "<GPU UUIDs>"}`; other keys are kept and ignored.
+  "kv_bytes_per_token": <int>, "machine": "<GPU UUIDs>", "gpu_names": ["<NVML name>"],
+  "model_weight_bytes": <int, as configured>}`; other keys are kept and ignored.
 
 `kv-offload-exporter --record DIR` writes it (one subdirectory per target), and
 `kv-offload-exporter replay DIR` reads it (exporter/replay.py).
@@ -49,6 +50,10 @@ class Meta:
     link_bandwidth: float | None = None  # bytes/s, theoretical host link
     kv_bytes_per_token: float | None = None
     machine: str | None = None  # the GPUs' NVML UUIDs (the GPU kit's meta: gpu.uuid)
+    # The GPUs' NVML names (`gpu_names`, else the GPU kit's gpu.name) and the model's weight
+    # bytes per GPU, as vLLM logged them: a computed token's floor (model/derive/compute.py).
+    gpu_names: tuple[str, ...] = ()
+    model_weight_bytes: float | None = None
     other: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -84,14 +89,33 @@ def read_meta(directory: Path) -> Meta:
     argv = doc.get("vllm_argv")
     if argv is not None and not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
         raise RecordingError(f"{path}: vllm_argv must be a list of strings")
-    known = ("vllm_argv", "link_bandwidth_bytes_per_second", "kv_bytes_per_token", "machine")
+    known = (
+        "vllm_argv",
+        "link_bandwidth_bytes_per_second",
+        "kv_bytes_per_token",
+        "machine",
+        "gpu_names",
+        "model_weight_bytes",
+    )
     return Meta(
         vllm_argv=tuple(argv) if argv is not None else None,
         link_bandwidth=_positive(doc.get("link_bandwidth_bytes_per_second")),
         kv_bytes_per_token=_positive(doc.get("kv_bytes_per_token")),
         machine=_machine(doc),
+        gpu_names=_gpu_names(doc),
+        model_weight_bytes=_positive(doc.get("model_weight_bytes")),
         other={k: v for k, v in doc.items() if k not in known},
     )
+
+
+def _gpu_names(doc: Mapping[str, Any]) -> tuple[str, ...]:
+    """`gpu_names` as --record writes it, else the GPU kit's `gpu.name` (bench/gpu)."""
+    names = doc.get("gpu_names")
+    if isinstance(names, list) and all(isinstance(n, str) for n in names):
+        return tuple(names)
+    gpu = doc.get("gpu")
+    name = gpu.get("name") if isinstance(gpu, dict) else None
+    return (name,) if isinstance(name, str) and name else ()
 
 
 def _machine(doc: Mapping[str, Any]) -> str | None:

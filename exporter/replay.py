@@ -31,6 +31,7 @@ from typing import Any
 from exporter.config import Config, ConfigError, add_arguments, load_config
 from exporter.kvevents_codec import Message
 from exporter.model.advisor.types import Action, Advice
+from exporter.model.derive.compute import computed_token_floor
 from exporter.model.derive.engines import CostBefore, DeriveSettings
 from exporter.model.inputs import CycleInputs, TargetInputs
 from exporter.model.pipeline import CycleResult, EngineResult, Pipeline
@@ -209,6 +210,11 @@ async def _replay(
         link_bandwidth=meta.link_bandwidth,
         launch=launch_config(meta.vllm_argv) if meta.vllm_argv else None,
         machine=meta.machine,
+        computed_token_floor=computed_token_floor(
+            cfg.model_weight_bytes or meta.model_weight_bytes,
+            meta.gpu_names,
+            cfg.gpu_peak_flops or None,
+        ),
     )
     pending = next(events, None) if events is not None else None
     timeline: list[Step] = []

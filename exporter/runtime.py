@@ -20,6 +20,7 @@ from exporter.catalogue import Family
 from exporter.config import Config
 from exporter.logs import log_event
 from exporter.model.advisor.types import Advice, AdvisorInput, MemoryState
+from exporter.model.derive.compute import computed_token_floor
 from exporter.model.derive.engines import CostBefore, DeriveSettings, EngineDerived
 from exporter.model.history import History, cycle_points
 from exporter.model.inputs import CycleInputs, TargetInputs
@@ -313,6 +314,10 @@ class Exporter:
                 "link_bandwidth_bytes_per_second": reading.link_bandwidth if reading else None,
                 "kv_bytes_per_token": per_token,
                 "machine": reading.machine if reading else None,
+                "gpu_names": list(reading.gpu_names) if reading and reading.gpu_names else None,
+                "model_weight_bytes": ts.target.config.model_weight_bytes
+                or self.cfg.model_weight_bytes
+                or None,
                 "vllm_version": snap.version,
                 "exporter_version": __version__,
             }
@@ -361,6 +366,11 @@ class Exporter:
                 link_bandwidth=link,
                 launch=procfs.launch if procfs is not None else None,
                 machine=reading.machine if reading is not None else None,
+                computed_token_floor=computed_token_floor(
+                    config.model_weight_bytes or cfg.model_weight_bytes or None,
+                    reading.gpu_names if reading is not None else (),
+                    cfg.gpu_peak_flops or None,
+                ),
             )
             rows.append(
                 TargetInputs(

@@ -82,7 +82,10 @@ def test_the_held_out_shape_is_judged_like_the_matrix(evals) -> None:  # type: i
     judged by every test here like the matrix's. With the what-if's sizes of until then (up to
     16 GiB) its RAG-Zipf engine without offload was told offload would not pay, where the
     same sequence measured a saving with 30 GiB; with the default sizes (up to 32 GiB) it is
-    told to enable 32 GiB."""
+    told to enable 32 GiB. Since session 18's floor on a computed token's cost (29.9 us where
+    its TTFT fit says 26.1 +- 4.0) the sizes up to 16 GiB enable 16 GiB at 180 s, a size no
+    run of the family measured (10 GiB costs 16.9 %, 30 GiB pays 5.5 %): unverified, which is
+    why the default sizes reach 32 GiB."""
     held = {e.run: e for e in evals if e.run in held_out()}
     assert len(held) == 6 and all(run.startswith("qwen3-14b-") for run in held)
     assert "Held out (`bench/gpu/scenarios/holdout.json`" in markdown(evals)
@@ -91,9 +94,9 @@ def test_the_held_out_shape_is_judged_like_the_matrix(evals) -> None:  # type: i
     assert truth["verdict"] == "pays"
     sizes = tuple(s for s in Config().whatif_sizes if s <= 16 * GIB)
     (until,) = replay_one(rag, Config(whatif_sizes=sizes)).final.targets[0].engines
-    assert (until.advice.action, until.advice.reason) == (
-        "no_action",
-        "predicted_saving_immaterial",
+    assert (until.advice.action, until.advice.recommended_buffer_bytes) == (
+        "enable_offload",
+        16 * GIB,
     )
     now = held["qwen3-14b-rag-zipf-none"]
     assert (now.action, now.recommended_bytes) == ("enable_offload", 32 * GIB)
@@ -106,24 +109,28 @@ def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untype
     assert s["decided"] >= s["goals"]["decided"]
 
 
-@unmet_goal(
-    "Not met since session 17: qwen3-14b-rag-zipf-none-ctl, the control of the 14B RAG-Zipf "
-    "pair with 32 GiB (pays 6.4 % on its machine), says no_action (predicted_saving_immaterial): "
-    "the what-if predicts +0.0019 s/s at 32 GiB for +0.0163 measured, 0.4 % of TTFT for 6.4 "
-    "%, under the 3 % that pays. The family's first run without offload, on session 15's "
-    "machine (the control ran 18.4 % slower), enables 32 GiB. The same low price of a "
-    "computed token on RAG-Zipf that makes its 32 GiB run's disable harmful (below)"
-)
 def test_every_decision_agrees_with_the_truth(evals) -> None:  # type: ignore[no-untyped-def]
     """Where the advice settles on an action and a run of its size exists, it agrees with the
-    truth: the runs that miss the agreement goal are the ones without a decision."""
+    truth: the runs that miss the agreement goal are the ones without a decision. Broken in
+    session 17 by the 14B RAG-Zipf control's no_action (the what-if priced a computed token
+    at its TTFT fit, 21.0 +- 8.2 us, and predicted +0.0019 s/s at 32 GiB for +0.0163
+    measured); since session 18 the price is bounded by the token's floor, 29.9 us, and it
+    enables 32 GiB (+0.0118 predicted)."""
     for e in evals:
         if e.verified and e.action != "insufficient_data":
             assert e.agrees, (e.run, e.action, e.truth)
 
 
 @unmet_goal(
-    "65 of 82 (79 %) since session 17 at the default --interval 1, every run verified: "
+    "71 of 82 (87 %) since session 18 at the default --interval 1, every run verified, all "
+    "eleven misses runs without a decision: a computed token's floor (the weights over the "
+    "GPU's peak, meta.json's model_weight_bytes) settles 14B chat with 16 and 30 GiB and 32B "
+    "chat with 32 GiB on keep, 32B chat with 48 GiB on shrink, 8B chat with 16 GiB on "
+    "disable (reload_gain_too_small) and turns the 14B RAG-Zipf control's no_action into "
+    "enable 32 GiB; left: six 0.6B runs (a reload costs about what a recompute does and the "
+    "balance spans zero), 14B RAG-Zipf with 30 and 32 GiB, 32B RAG-Zipf with 16 GiB and 8B "
+    "chat with 27 GiB (the balance reaches a cost) and 0.6B concurrent without offload. "
+    "65 of 82 (79 %) in session 17: "
     "sixteen misses without a decision and 14B RAG-Zipf's control without offload "
     "(no_action where 32 GiB pays 6.4 %); session 17 recorded 14B RAG-Zipf and 32B chat "
     "with 32 GiB, both pay: the four advices that waited for those sizes agree, and of its "

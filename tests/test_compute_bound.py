@@ -7,13 +7,18 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from bench.compute_bound import GIB, measure, rows, summary, table, weight_bytes
+from bench.compute_bound import GIB, measure, rows, summary, table
 from bench.store_cost import MATRIX
+from exporter.recording import read_meta
 from exporter.thresholds import Thresholds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+import matrixkit as mk  # type: ignore[import-not-found]  # bench/gpu holds scripts
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +28,12 @@ def matrix_rows():  # type: ignore[no-untyped-def]
 
 def test_the_weights_come_from_vllms_loading_line() -> None:
     log = (MATRIX / "qwen3-14b-chat-cpu16g" / "server_log.txt").read_text()
-    assert weight_bytes(log) == pytest.approx(27.52 * GIB)
-    assert weight_bytes("INFO nothing about the model\n") is None
+    assert mk.weight_bytes(log) == pytest.approx(27.52 * GIB)
+    assert mk.weight_bytes("INFO nothing about the model\n") is None
+    # Every recording's meta.json carries what its own log says (bench/gpu/matrix.py finalize).
+    for meta in sorted(MATRIX.glob("*/meta.json")):
+        log = (meta.parent / "server_log.txt").read_text(errors="replace")
+        assert read_meta(meta.parent).model_weight_bytes == mk.weight_bytes(log), meta.parent.name
 
 
 def test_the_floor_lies_above_a_measured_interval_only_by_chance(matrix_rows) -> None:  # type: ignore[no-untyped-def]
@@ -60,8 +69,8 @@ def test_what_the_floor_proves_never_costs(matrix_rows) -> None:  # type: ignore
 
 
 def test_an_unknown_gpu_or_a_log_without_the_weights_gives_no_floor(tmp_path: Path) -> None:
-    """No peak for the GPU's name, or no loading line: no floor and nothing proven, the
-    rest of the row as measured."""
+    """No peak for the GPU's name, or no weights in meta.json: no floor and nothing proven,
+    the rest of the row as measured."""
     for name in ("qwen3-14b-chat-cpu16g", "qwen3-14b-chat-none-ctl"):
         shutil.copytree(MATRIX / name, tmp_path / name)
     meta_path = tmp_path / "qwen3-14b-chat-cpu16g" / "meta.json"
@@ -72,7 +81,7 @@ def test_an_unknown_gpu_or_a_log_without_the_weights_gives_no_floor(tmp_path: Pa
     assert r.floor_us is None and r.saving_at_least_s is None and r.net_share_at_least is None
     assert r.baseline_us is not None and r.loaded_us is not None
     meta["gpu"]["name"] = "NVIDIA H200"
+    del meta["model_weight_bytes"]
     meta_path.write_text(json.dumps(meta))
-    (tmp_path / "qwen3-14b-chat-cpu16g" / "server_log.txt").write_text("no loading line\n")
     r = measure(tmp_path, "qwen3-14b-chat-cpu16g", "qwen3-14b-chat-none-ctl", "pays", 2.0)
     assert r.weights_gib is None and r.floor_us is None

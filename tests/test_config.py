@@ -53,6 +53,22 @@ def test_all_problems_are_reported_together(tmp_path):
         assert needle in text
 
 
+def test_the_weights_and_the_peak_for_a_computed_tokens_floor(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "model_weight_bytes: 27.52GiB\ntargets:\n  - url: http://a:8000\n"
+        "  - url: http://b:8000\n    model_weight_bytes: 61.03GiB\n"
+    )
+    cfg = load_config(args("--config", str(f), "--gpu-peak-flops", "989e12"), {})
+    assert cfg.model_weight_bytes == int(27.52 * (1 << 30)) and cfg.gpu_peak_flops == 989e12
+    assert [t.model_weight_bytes for t in cfg.targets] == [None, int(61.03 * (1 << 30))]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("targets:\n  - url: http://a:8000\n    model_weight_bytes: heavy\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(args("--config", str(bad), "--gpu-peak-flops", "-1"), {})
+    assert "heavy" in str(exc.value) and "--gpu-peak-flops" in str(exc.value)
+
+
 def test_missing_target_is_an_error():
     with pytest.raises(ConfigError, match="no vLLM target"):
         load_config(args(), {})

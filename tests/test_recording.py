@@ -39,7 +39,13 @@ def test_writer_round_trip_keeps_failed_scrapes_and_meta(tmp_path: Path) -> None
     w.write_scrape(10.0, b"# body one\n")
     w.write_scrape(11.0, None, "GET http://x/metrics: HTTP 500")
     w.write_meta(
-        {"kv_bytes_per_token": 114688, "vllm_argv": ["vllm", "serve", "m"], "machine": "GPU-a"}
+        {
+            "kv_bytes_per_token": 114688,
+            "vllm_argv": ["vllm", "serve", "m"],
+            "machine": "GPU-a",
+            "gpu_names": ["NVIDIA H200"],
+            "model_weight_bytes": 29549374996,
+        }
     )
     w.close()
     got = read_scrapes(tmp_path / "rec")
@@ -48,12 +54,22 @@ def test_writer_round_trip_keeps_failed_scrapes_and_meta(tmp_path: Path) -> None
         (11.0, None, "GET http://x/metrics: HTTP 500"),
     ]
     assert read_meta(tmp_path / "rec") == Meta(
-        ("vllm", "serve", "m"), None, 114688.0, machine="GPU-a", other={}
+        ("vllm", "serve", "m"),
+        None,
+        114688.0,
+        machine="GPU-a",
+        gpu_names=("NVIDIA H200",),
+        model_weight_bytes=29549374996.0,
+        other={},
     )
-    # The GPU kit's recordings name the machine by the GPU's UUID (bench/gpu meta.json).
+    # The GPU kit's recordings name the machine and the GPU by its UUID and name (bench/gpu
+    # meta.json).
     (tmp_path / "kit").mkdir()
-    (tmp_path / "kit" / "meta.json").write_text('{"gpu": {"uuid": "GPU-3d59"}}')
+    (tmp_path / "kit" / "meta.json").write_text(
+        '{"gpu": {"uuid": "GPU-3d59", "name": "NVIDIA H200"}}'
+    )
     assert read_meta(tmp_path / "kit").machine == "GPU-3d59"
+    assert read_meta(tmp_path / "kit").gpu_names == ("NVIDIA H200",)
     assert scrape_interval(got) == 1.0
     assert list(read_kv_events(tmp_path / "rec")) == []
 

@@ -204,14 +204,22 @@ def test_bad_recordings_are_clear_errors(tmp_path: Path, capsys) -> None:
     assert "vllm_argv must be a list" in capsys.readouterr().err
 
 
-def test_replay_after_the_run_without_offload_remembers_a_computed_tokens_cost(capsys) -> None:
+def test_replay_after_the_run_without_offload_remembers_a_computed_tokens_cost(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """32B chat with 48 GiB: every request loads its history and computes a similar few hundred
-    tokens, so the recording alone cannot price a computed token and the advice waits. Replayed
-    after the same engine's run without offload (`--prior`), the cost measured there is
-    remembered, as a live exporter remembers it across the restart that enables offload, and
-    the advice settles on the side the two runs' measured TTFTs put it; the cost of another
-    model's engine (other KV bytes per token) is not used."""
-    on, off = MATRIX / "qwen3-32b-chat-cpu192k", MATRIX / "qwen3-32b-chat-none-rep"
+    tokens, so the recording alone, without the model's weight bytes (no floor), cannot price
+    a computed token and the advice waits. Replayed after the same engine's run without
+    offload (`--prior`), the cost measured there is remembered, as a live exporter remembers
+    it across the restart that enables offload, and the advice settles on the side the two
+    runs' measured TTFTs put it; the cost of another model's engine (other KV bytes per token)
+    is not used."""
+    off = MATRIX / "qwen3-32b-chat-none-rep"
+    on = tmp_path / "qwen3-32b-chat-cpu192k"
+    shutil.copytree(MATRIX / on.name, on)
+    meta = json.loads((on / "meta.json").read_text())
+    del meta["model_weight_bytes"]  # the floor decides it alone (docs/advisor.md): not here
+    (on / "meta.json").write_text(json.dumps(meta))
     truth = matrixkit.paired_truth(_requests(off), _requests(on))
     alone = replay_one(on, Config())
     (engine,) = alone.final.targets[0].engines
@@ -238,6 +246,37 @@ def test_replay_after_the_run_without_offload_remembers_a_computed_tokens_cost(c
     assert main(["replay", str(on), "--prior", str(off), "--json"]) == 0
     (final,) = json.loads(capsys.readouterr().out)["final"]
     assert final["action"] == str(engine.advice.action)
+
+
+def test_the_weights_in_meta_json_bound_a_computed_token_and_decide_alone(
+    tmp_path: Path,
+) -> None:
+    """14B chat with 16 GiB (pays 24 %, docs/gpu-acceptance.md): the window alone prices a
+    loaded token but not a computed one, and without the weights the advice waits. With the
+    weight bytes vLLM logged (meta.json) and the H200's peak, a computed token costs at least
+    29.9 us: the fit is bounded there and the advice keeps the tier. An operator's peak on
+    the command line stands in for an unknown GPU's."""
+    run = MATRIX / "qwen3-14b-chat-cpu16g"
+    (engine,) = replay_one(run, Config()).final.targets[0].engines
+    fit = engine.derived.offload_fit
+    assert fit is not None and fit.computed_floor
+    assert engine.derived.computed_token_floor == pytest.approx(29.88e-6, rel=1e-3)
+    assert engine.advice.action == Action.KEEP
+    assert "at its floor" in engine.advice.explanation
+    assert engine.advice.numbers["computed_token_floor_seconds"] == pytest.approx(29.88e-6, 1e-3)
+
+    bare = tmp_path / run.name
+    shutil.copytree(run, bare)
+    meta = json.loads((bare / "meta.json").read_text())
+    weights = meta.pop("model_weight_bytes")
+    meta["gpu"]["name"] = "Some Future GPU"
+    (bare / "meta.json").write_text(json.dumps(meta))
+    (engine,) = replay_one(bare, Config()).final.targets[0].engines
+    assert engine.derived.computed_token_floor is None
+    assert engine.advice.action == Action.INSUFFICIENT_DATA
+    given = Config(model_weight_bytes=int(weights), gpu_peak_flops=989e12)
+    (engine,) = replay_one(bare, given).final.targets[0].engines
+    assert engine.advice.action == Action.KEEP
 
 
 def test_after_enabling_a_slower_engine_is_told_to_turn_offload_off() -> None:

@@ -168,9 +168,14 @@ async def test_inputs_carry_every_snapshot_to_the_model(tmp_path: Path) -> None:
     """Launch flags (procfs), the host link and PCIe load (NVML), memory (cgroup + pool):
     what the model gets is what the sources read, each from its own snapshot."""
     b = RUNS / "b_offload"
+    weights = 1.12 * GIB  # Qwen3-0.6B, as vLLM logs it
     with ReplayServer(files([b / "metrics_before.txt", b / "metrics_after.txt"])) as srv:
         proc = build_proc(tmp_path, port=srv.port)
-        cfg = Config(targets=(TargetConfig(url=srv.url),), interval=1.0, window=300.0)
+        cfg = Config(
+            targets=(TargetConfig(url=srv.url, model_weight_bytes=weights),),
+            interval=1.0,
+            window=300.0,
+        )
         api = RecordedNvml([RecordedGpu(rows=load_fast("b_offload"))])
         clock = FakeClock()
         exporter = Exporter(cfg, _sources(cfg, proc, api, clock))
@@ -190,6 +195,9 @@ async def test_inputs_carry_every_snapshot_to_the_model(tmp_path: Path) -> None:
     assert inputs.now == 123.0
     assert t.settings.launch == procfs.launch and procfs.launch is not None
     assert t.settings.link_bandwidth == reading.link_bandwidth
+    # The weights over the recorded GPU's peak (its NVML name, the H200): a token's floor.
+    assert reading.gpu_names == ("NVIDIA H200",)
+    assert t.settings.computed_token_floor == weights / 989e12
     assert inputs.pcie_utilization == reading.pcie_utilization
     assert t.memory == memory_state(cgroup, procfs.pool)
     assert t.memory is not None and t.memory.pool_bytes == 896 * MIB

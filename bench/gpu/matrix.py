@@ -9,7 +9,8 @@ max_inflight requests in flight, recorded as a replayable directory per run:
     requests.jsonl.xz   one line per request: i, id, slot, t_sched, t_send, t_end, ttft_s,
                         status, prompt_tokens, cached_tokens, sent_tokens, tags
     meta.json           vllm_argv, link_bandwidth_bytes_per_second, kv_bytes_per_token, the
-                        scenario, the GPU, versions, the traffic window, recorder statistics
+                        scenario, the GPU, versions, the traffic window, recorder statistics,
+                        model_weight_bytes (from vLLM's log)
     server_log.txt      vLLM's log: head, warnings/errors, tail
 
 No exporter runs (recordings are replayed offline). Servers of a group start together; their
@@ -703,12 +704,17 @@ def cmd_finalize(a: argparse.Namespace) -> int:
         )
     if (d / "requests.jsonl").exists():
         counts["requests"] = _xz_lines(d / "requests.jsonl", d / "requests.jsonl.xz", json.dumps)
+    weights = None
     if (d / "server.log").exists():
-        (d / "server_log.txt").write_text(server_log_excerpt(acc._read(d / "server.log", 64 << 20)))
+        log_text = acc._read(d / "server.log", 64 << 20)
+        (d / "server_log.txt").write_text(server_log_excerpt(log_text))
+        weights = mk.weight_bytes(log_text)
     meta_path = d / "meta.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
         meta["lines"] = counts
+        if weights is not None:
+            meta["model_weight_bytes"] = weights
         write_json(meta_path, meta)
     for raw in ("kv_events.jsonl", "requests.jsonl", "server.log"):
         (d / raw).unlink(missing_ok=True)

@@ -17,6 +17,7 @@ import json
 import lzma
 import math
 import random
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,17 @@ from typing import Any
 
 GIB = 1 << 30
 PAGE = 4096
+# vLLM's log line when it has loaded the weights, per worker (GPU).
+LOADING = re.compile(r"Model loading took ([0-9.]+) GiB")
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+
+
+def weight_bytes(server_log: str) -> float | None:
+    """The model's weights per GPU as vLLM logged them when it loaded the model (meta.json's
+    model_weight_bytes: with the GPU's peak, a computed token's floor)."""
+    m = LOADING.search(server_log)
+    return float(m.group(1)) * GIB if m else None
+
 
 # Offload pays when it cuts the summed TTFT of the identical request sequence by at least 3%,
 # costs when it adds 3% or more; in between it is neutral (issue 16). A family whose runs

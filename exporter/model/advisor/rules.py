@@ -122,6 +122,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         "measured_saving_seconds_per_loaded_token": saving,
         "offload_buffer_bytes": d.offload_buffer_bytes,
         "offload_stored_since_start_bytes": d.offload_stored_bytes,
+        "computed_token_floor_seconds": d.computed_token_floor,
         "affordable_buffer_bytes": headroom,
         "pcie_utilization_ratio": inp.pcie_utilization,
     }
@@ -469,6 +470,9 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
             "measured, a computed token at the cost measured before offload was enabled: this "
             "window does not separate it"
             if ofit is not None and ofit.computed_before
+            else "measured, a computed token at its floor, the model's weight bytes over the "
+            "GPU's peak: this window prices it lower"
+            if ofit is not None and ofit.computed_floor
             else "measured"
         )
         gain = f" Each loaded token saves {saving * 1e6:.2f} us of TTFT ({how})."

@@ -67,6 +67,9 @@ class DeriveSettings:
     # compared only on the machine it was measured on. The same sequence ran 24-28 % slower
     # on one H200 VM than on another (docs/gpu-acceptance.md, drift), more than most savings.
     machine: str | None = None
+    # The least a computed token costs, seconds: the model's weight bytes per GPU over the
+    # GPU's dense peak (compute.computed_token_floor); None where either is unknown.
+    computed_token_floor: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,7 @@ class EngineDerived:
     # Bytes vLLM stored to the CPU tier since the engine started (its own counter, not the
     # window's): a restart empties the tier and the counter alike.
     offload_stored_bytes: float | None = None
+    computed_token_floor: float | None = None  # seconds (DeriveSettings)
 
     @property
     def tier_filling(self) -> bool:
@@ -300,6 +304,7 @@ def derive_engine(
             ),
             settings.min_fit_points + 2,
             comparable.fit if comparable is not None else None,
+            settings.computed_token_floor,
         )
         if fresh and enabled
         else None
@@ -402,6 +407,7 @@ def derive_engine(
         transfer_speedup_lower=speedup_lower,
         load_wait_share=settings.load_wait_share,
         offload_stored_bytes=es.counters.get("store_bytes") if enabled else None,
+        computed_token_floor=settings.computed_token_floor,
         window=window,
         totals=dict(totals),
         backend=backend_derived(

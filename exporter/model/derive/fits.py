@@ -322,6 +322,8 @@ class OffloadFit:
     # The computed token's cost is the one measured before offload was enabled (offload_fit's
     # `before`): the window did not separate it from the per-request cost.
     computed_before: bool = False
+    # The computed token's cost is its floor (offload_fit's `floor`): the window put it lower.
+    computed_floor: bool = False
 
     @property
     def valid(self) -> bool:
@@ -397,7 +399,10 @@ class OffloadFit:
 
 
 def offload_fit(
-    points: list[tuple[float, ...]], min_points: int, before: PrefillFit | None = None
+    points: list[tuple[float, ...]],
+    min_points: int,
+    before: PrefillFit | None = None,
+    floor: float | None = None,
 ) -> OffloadFit | None:
     """Fit TTFT per interval on (requests, computed tokens, loaded tokens).
 
@@ -406,10 +411,26 @@ def offload_fit(
     hundred tokens, no interval separates a computed token's cost from the per-request cost
     (32B chat with 48 GiB on the H200: -45 +- 65 us); where the window leaves that cost
     unidentified and `before` measured it more precisely, it is taken as known and the rest
-    is fitted around it, its error carried into the saving's."""
+    is fitted around it, its error carried into the saving's.
+
+    `floor` is the least a computed token can cost (compute.computed_token_floor): where the
+    fit puts it below, the least-squares fit under that bound has it on the bound, and the
+    per-request and loaded-token costs are fitted around it (14B chat with 30 GiB on the
+    H200: -14.0 +- 28.0 us by the window, 29.9 us by physics, 58.0 by its run without
+    offload)."""
     pts = [p for p in points if p[0] > 0 and min(p) >= 0]
     if len(pts) < min_points or not any(p[2] > 0 for p in pts):
         return None
+    fit = _offload_fit_known(pts, before)
+    if fit is None or floor is None or fit.computed_seconds_per_token >= floor:
+        return fit
+    # The bound is exact, not an estimate: no error of its own to carry.
+    return _offload_fit_given(pts, floor, 0.0, at_floor=True) or fit
+
+
+def _offload_fit_known(
+    pts: list[tuple[float, ...]], before: PrefillFit | None
+) -> OffloadFit | None:
     fit = _offload_fit(pts)
     if before is None or not before.significant or before.stderr is None:
         return fit
@@ -421,7 +442,7 @@ def offload_fit(
 
 
 def _offload_fit_given(
-    pts: list[tuple[float, ...]], computed: float, computed_stderr: float
+    pts: list[tuple[float, ...]], computed: float, computed_stderr: float, at_floor: bool = False
 ) -> OffloadFit | None:
     """The fit with a computed token's cost known: TTFT less computed x that cost, on
     (requests, loaded tokens)."""
@@ -436,7 +457,16 @@ def _offload_fit_given(
     stderr = math.sqrt(computed_stderr**2 + se_c**2) if se_c is not None else None
     r2 = _r2(fitted.columns, fitted.y, coef, fitted.res)  # of the TTFT the known cost leaves
     return OffloadFit(
-        coef[0], computed, coef[1], len(fitted.y), r2, stderr, computed_stderr, se_c, True
+        coef[0],
+        computed,
+        coef[1],
+        len(fitted.y),
+        r2,
+        stderr,
+        computed_stderr,
+        se_c,
+        computed_before=not at_floor,
+        computed_floor=at_floor,
     )
 
 

@@ -60,6 +60,11 @@ class NvmlReading:
         return ",".join(uuids) if uuids else None
 
     @property
+    def gpu_names(self) -> tuple[str, ...]:
+        """The GPUs seen, by NVML's name (their peak FLOP/s: model/derive/compute.py)."""
+        return tuple(sorted({g.identity.name for g in self.snapshot.gpus}))
+
+    @property
     def pcie_utilization(self) -> float | None:
         """Busiest direction of the busiest GPU over the last collection interval."""
         values = [v for r in self.utilization.values() for v in (r.tx, r.rx) if v is not None]

@@ -43,6 +43,9 @@ def test_offload_run_ratios_equal_what_the_raw_counters_imply():
     assert d.transfer_tokens_per_second == pytest.approx(d.load_bandwidth / 114688)
     assert not d.transfer_estimated
     assert d.totals["load_bytes"] == 8.4410368e08
+    # What vLLM stored since the engine started, its own counter: 2.8 GB into a 0.5 GiB tier.
+    assert d.offload_stored_bytes == after.engines[H200_EK].counters["store_bytes"]
+    assert d.offload_stored_bytes > d.offload_buffer_bytes and not d.tier_filling
 
 
 def test_no_offload_run_has_no_offload_ratios_and_estimates_transfer_from_link():
@@ -51,6 +54,7 @@ def test_no_offload_run_has_no_offload_ratios_and_estimates_transfer_from_link()
     d = derive_engine(window_of(before, after), H200_EK, 5.0, settings)
     assert d is not None and not d.offload_enabled
     assert d.offload_hit_ratio is None and d.reuse_ratio is None and d.load_bandwidth is None
+    assert d.offload_stored_bytes is None and not d.tier_filling
     assert d.kv_bytes_per_token == pytest.approx(268435456 / 2336)
     assert d.kv_bytes_per_token_method == "cache_config"
     assert d.transfer_estimated

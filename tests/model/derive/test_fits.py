@@ -138,6 +138,29 @@ def test_a_cost_from_before_offload_does_not_override_what_the_window_identifies
         assert got is not None and not got.computed_before  # not significant: no help
 
 
+def test_a_computed_tokens_floor_bounds_the_window_fit_from_below() -> None:
+    """Where the window puts a computed token below its floor (or cannot price it), the fit
+    under that bound has it on the bound, exactly, and fits the rest around it; a window
+    that prices it above the floor is left as it is."""
+    pts = _intervals(4)
+    alone = offload_fit(pts, 8)
+    assert alone is not None and alone.computed_seconds_per_token < 200e-6
+    fit = offload_fit(pts, 8, None, 200e-6)
+    assert fit is not None and fit.computed_floor and not fit.computed_before
+    assert fit.computed_seconds_per_token == 200e-6 and fit.computed_stderr == 0.0
+    assert fit.loaded_stderr is not None and fit.saving_stderr == fit.loaded_stderr
+    assert fit.proves_gain  # 200 us against ~15-30 us per loaded token
+    # Above the floor: the window's own fit.
+    varied = _intervals(5, computed=(100, 3000), loaded=(0, 3000), noise=0.004)
+    own = offload_fit(varied, 8, None, 100e-6)
+    assert own is not None and not own.computed_floor
+    assert own.computed_seconds_per_token == pytest.approx(300e-6, rel=0.05)
+    # A cost remembered from before offload that clears the floor is used as before.
+    before = PrefillFit(0.02, 300e-6, 40, 0.9, 5e-6)
+    got = offload_fit(pts, 8, before, 200e-6)
+    assert got is not None and got.computed_before and got.computed_seconds_per_token == 300e-6
+
+
 def test_a_fits_prediction_of_a_total_carries_its_covariance() -> None:
     """The TTFT a window's requests and tokens would cost, from a fit of other intervals: its
     stated standard error covers the truth as often as a standard error should (Monte Carlo
