@@ -257,10 +257,14 @@ def test_the_weights_in_meta_json_bound_a_computed_token_and_decide_alone(
     29.9 us: the fit is bounded there and the advice keeps the tier. An operator's peak on
     the command line stands in for an unknown GPU's."""
     run = MATRIX / "qwen3-14b-chat-cpu16g"
+    # The label is what the pair measured on its machine, not this run's name.
+    truth = matrixkit.paired_truth(_requests(MATRIX / "qwen3-14b-chat-none-ctl"), _requests(run))
+    assert truth["verdict"] == "pays"
     (engine,) = replay_one(run, Config()).final.targets[0].engines
     fit = engine.derived.offload_fit
     assert fit is not None and fit.computed_floor
     assert engine.derived.computed_token_floor == pytest.approx(29.88e-6, rel=1e-3)
+    assert _judge(str(engine.advice.action), truth["verdict"], True) == (True, False)
     assert engine.advice.action == Action.KEEP
     assert "at its floor" in engine.advice.explanation
     assert engine.advice.numbers["computed_token_floor_seconds"] == pytest.approx(29.88e-6, 1e-3)
