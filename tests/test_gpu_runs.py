@@ -512,13 +512,6 @@ def _group_pays(run: Run) -> bool:
 UNDECIDED = {"reload_benefit_unmeasured", "speedup_uncertain", "transfer_rate_unknown"}
 
 
-# Offload runs that paid where the advice over the whole run waits: the balance no longer
-# saves at its lower end once a store costs the TTFT store_cost_factor_max times its copy
-# time (large-c1: 24 one-second intervals, a net +0.73 +- 0.44 s against 0.44 s of store
-# copies; docs/advisor.md, "Its limit"). Not a keep proven from the window alone.
-WAITS_ON_THE_STORE_BOUND = {"large-c1"}
-
-
 def check_advice(run: Run, a: Advice, *, whole: bool) -> None:
     lab = label(run.name)
     if a.action == Action.INSUFFICIENT_DATA and whole:
@@ -540,10 +533,7 @@ def check_advice(run: Run, a: Advice, *, whole: bool) -> None:
             )
     elif run.offload_flag:
         assert a.action not in (Action.DISABLE_OFFLOAD, Action.NO_ACTION)
-        if whole and run.name in WAITS_ON_THE_STORE_BOUND:
-            assert a.reason == "reload_benefit_unmeasured"
-            assert f"{DEFAULT.store_cost_factor_max:g}x the copy time" in a.explanation
-        elif whole:
+        if whole:
             assert a.action in (Action.KEEP, Action.GROW_BUFFER)
     elif lab != "pays":
         assert a.action != Action.ENABLE_OFFLOAD

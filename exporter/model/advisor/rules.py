@@ -413,14 +413,20 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
             "precisely enough yet to keep the tier or resize it; more traffic narrows it.",
         )
     cautious = bal.share(-2.0, th.store_cost_factor_max) if bal is not None else None
-    if not proven and bal is not None and (cautious is None or cautious < 0):
+    if (
+        not proven
+        and bal is not None
+        and (cautious is None or cautious <= -th.ttft_saving_material)
+    ):
         # With offload on every computed block is stored, so no window separates what a
         # store costs the computing requests from what a computed token costs: the balance
         # charges the copy time, and a computed token that got dearer than that prices each
         # loaded token's recompute too high (0.6B long-context with 7 GiB on the H200: kept
         # at +0.64 s, measured -0.57 s; 0.6B chat with 21 GiB: shrink at +27 %, measured a
-        # 28 % cost). A keep must survive the stores costing store_cost_factor_max times
-        # their copy time.
+        # 28 % cost). With the stores at store_cost_factor_max times their copy time, the
+        # balance's lower end must stay short of a cost: of the material share that makes
+        # offload cost by the truth's definition, which is what makes a keep harmful. The
+        # saving itself is proven above, at the copy time.
         at_least = f", a saving of at least {pct(lower)} of TTFT" if lower is not None else ""
         cost = "a cost" if cautious is None else f"a cost of {pct(-cautious)} of TTFT"
         return advice(
@@ -429,7 +435,8 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
             f"{pct(hit)} of prompt tokens come back from the CPU tier and over the window "
             f"{_balance_text(bal)}{at_least}. But storing every computed block may slow the "
             "computing requests by more than its copy time: at "
-            f"{th.store_cost_factor_max:g}x the copy time the balance reaches {cost}. Whether "
+            f"{th.store_cost_factor_max:g}x the copy time the balance reaches {cost} (a "
+            f"material cost from {pct(th.ttft_saving_material)}). Whether "
             "offload pays here is not measured precisely enough yet to keep the tier or "
             "resize it. " + _MEASURE_BEFORE,
         )

@@ -209,8 +209,9 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
         Reason.RELOAD_BENEFIT_UNMEASURED: ReasonInfo(
             Action.INSUFFICIENT_DATA,
             "the CPU tier serves hits but the TTFT fit cannot yet show that a loaded token "
-            "saves time, or the window's balance still reaches a cost (at its lower end, or with "
-            "the stores at `store_cost_factor_max` times their copy time)",
+            "saves time, or the window's balance still reaches a cost at its lower end, or a "
+            "material one (`ttft_saving_material`) with the stores at `store_cost_factor_max` "
+            "times their copy time",
         ),
         Reason.TIER_STILL_FILLING: ReasonInfo(
             Action.INSUFFICIENT_DATA,

@@ -568,11 +568,22 @@ def test_a_balance_that_may_end_in_a_cost_keeps_nothing_yet():
     tight = offload_balance(fit(0.2e-6), sums)
     assert tight is not None and (tight.share(-2.0) or -1.0) >= 0
     # A saving at its lower end, but only while a store costs no more than its copy time:
-    # at store_cost_factor_max times the copy time the same lower end is a cost, so it waits.
-    assert (tight.share(-2.0, DEFAULT.store_cost_factor_max) or -1.0) < 0
+    # at store_cost_factor_max times the copy time the same lower end is a material cost
+    # (what makes offload cost by the truth's definition), so it waits.
+    assert (tight.share(-2.0, DEFAULT.store_cost_factor_max) or 0.0) <= (
+        -DEFAULT.ttft_saving_material
+    )
     a = evaluate(inp(replace(d, offload_fit=fit(0.2e-6), balance=tight)))
     assert a.action == Action.INSUFFICIENT_DATA and a.reason == "reload_benefit_unmeasured"
     assert "2x the copy time the balance reaches a cost of" in a.explanation
+    # A cost at that factor, but short of the material share: keeping is not harmful even
+    # then, and the saving at the copy time is proven, so the sizing rules decide.
+    short = offload_balance(fit(0.2e-6), {**sums, "store_seconds": 0.11})
+    assert short is not None and (short.share(-2.0) or -1.0) >= 0
+    worst = short.share(-2.0, DEFAULT.store_cost_factor_max)
+    assert worst is not None and -DEFAULT.ttft_saving_material < worst < 0
+    a = evaluate(inp(replace(d, offload_fit=fit(0.2e-6), balance=short)))
+    assert a.action == Action.KEEP and a.reason == "paying_off"
     # Cheaper stores leave the saving standing at that factor too: the sizing rules decide.
     cheap = offload_balance(fit(0.2e-6), {**sums, "store_seconds": 0.05})
     assert cheap is not None and (cheap.share(-2.0, DEFAULT.store_cost_factor_max) or -1.0) >= 0
