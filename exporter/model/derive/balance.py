@@ -47,6 +47,8 @@ class OffloadBalance:
     store_seconds: float  # the store cost charged to every loaded and computed token
     stderr_seconds: float  # of the net, from the saving's standard error
     ttft_seconds: float  # summed TTFT over the window, with offload
+    # Above the net, where wider (a computed token at its floor: OffloadFit.saving_upper_stderr).
+    upper_stderr_seconds: float | None = None
 
     @property
     def net_seconds(self) -> float:
@@ -56,7 +58,10 @@ class OffloadBalance:
     def share(self, z: float = 0.0, store_factor: float = 1.0) -> float | None:
         """Net saving (shifted by z standard errors, the stores charged at store_factor
         times store_seconds) over the TTFT the traffic would have had without offload."""
-        net = self.saved_seconds - store_factor * self.store_seconds + z * self.stderr_seconds
+        se = self.stderr_seconds
+        if z > 0 and self.upper_stderr_seconds is not None:
+            se = self.upper_stderr_seconds
+        net = self.saved_seconds - store_factor * self.store_seconds + z * se
         without = self.ttft_seconds + net
         if without <= 0:
             return None
@@ -80,6 +85,11 @@ def offload_balance(
         store_seconds=store * (loaded + computed) / computed,
         stderr_seconds=fit.saving_stderr * loaded,
         ttft_seconds=ttft,
+        upper_stderr_seconds=(
+            fit.saving_upper_stderr * loaded
+            if fit.saving_upper_stderr is not None and fit.saving_upper_stderr != fit.saving_stderr
+            else None
+        ),
     )
 
 

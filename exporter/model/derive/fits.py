@@ -4,7 +4,7 @@ TTFT cost of a loaded against a computed token, with standard errors (pure arith
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import repeat
 from operator import add, mul, sub, truediv
 
@@ -324,6 +324,25 @@ class OffloadFit:
     computed_before: bool = False
     # The computed token's cost is its floor (offload_fit's `floor`): the window put it lower.
     computed_floor: bool = False
+    # At the floor the computed token's interval is one-sided: from the floor (stderr 0 below)
+    # up to where the window's own fit reaches, two of these above the floor.
+    computed_upper_stderr: float | None = None
+
+    @property
+    def _computed_upper_se(self) -> float | None:
+        if self.computed_upper_stderr is not None:
+            return self.computed_upper_stderr
+        return self.computed_stderr
+
+    @property
+    def saving_upper_stderr(self) -> float | None:
+        """The saving's standard error on its upper side: at the floor, wider than below by
+        the computed token's upper side (a saving proven at the floor is a lower bound; one
+        ruled out is ruled out up to the window's own fit, not up to the floor)."""
+        if self.saving_stderr is None or self.computed_upper_stderr is None:
+            return self.saving_stderr
+        extra = self.computed_upper_stderr**2 - (self.computed_stderr or 0.0) ** 2
+        return math.sqrt(self.saving_stderr**2 + max(extra, 0.0))
 
     @property
     def valid(self) -> bool:
@@ -341,7 +360,8 @@ class OffloadFit:
         if self.computed_stderr is None or self.loaded_stderr is None:
             return None
         b, c = self.computed_seconds_per_token, self.loaded_seconds_per_token
-        b_lo, b_hi = max(b - z * self.computed_stderr, 0.0), b + z * self.computed_stderr
+        b_lo = max(b - z * self.computed_stderr, 0.0)
+        b_hi = b + z * (self._computed_upper_se or 0.0)
         c_lo, c_hi = c - z * self.loaded_stderr, c + z * self.loaded_stderr
         lo = b_lo / c_hi if c_hi > 0 else math.inf
         hi = b_hi / c_lo if c_lo > 0 else math.inf
@@ -371,10 +391,11 @@ class OffloadFit:
     def reload_dearer_beyond_doubt(self) -> bool:
         """Even the upper end of a computed token's cost is below the lower end of a loaded
         token's (~95 % each, taken apart)."""
-        if self.computed_stderr is None or self.loaded_stderr is None:
+        upper_se = self._computed_upper_se
+        if upper_se is None or self.loaded_stderr is None:
             return False
         return (
-            self.computed_seconds_per_token + 2 * self.computed_stderr
+            self.computed_seconds_per_token + 2 * upper_se
             < self.loaded_seconds_per_token - 2 * self.loaded_stderr
         )
 
@@ -392,10 +413,11 @@ class OffloadFit:
 
     def saving_bounds(self, z: float = 2.0) -> tuple[float, float] | None:
         """Approximate 95% interval of the saving per token; None without an error estimate."""
-        if self.saving_stderr is None:
+        upper_se = self.saving_upper_stderr
+        if self.saving_stderr is None or upper_se is None:
             return None
         s = self.saving_seconds_per_token
-        return s - z * self.saving_stderr, s + z * self.saving_stderr
+        return s - z * self.saving_stderr, s + z * upper_se
 
 
 def offload_fit(
@@ -417,15 +439,28 @@ def offload_fit(
     fit puts it below, the least-squares fit under that bound has it on the bound, and the
     per-request and loaded-token costs are fitted around it (14B chat with 30 GiB on the
     H200: -14.0 +- 28.0 us by the window, 29.9 us by physics, 58.0 by its run without
-    offload)."""
+    offload). The bound is one-sided: above the floor the cost keeps the window's own upper
+    end (`OffloadFit.computed_upper_stderr`)."""
     pts = [p for p in points if p[0] > 0 and min(p) >= 0]
     if len(pts) < min_points or not any(p[2] > 0 for p in pts):
         return None
     fit = _offload_fit_known(pts, before)
-    if fit is None or floor is None or fit.computed_seconds_per_token >= floor:
+    if (
+        fit is None
+        or floor is None
+        or fit.computed_seconds_per_token >= floor
+        or fit.computed_stderr is None
+    ):
         return fit
-    # The bound is exact, not an estimate: no error of its own to carry.
-    return _offload_fit_given(pts, floor, 0.0, at_floor=True) or fit
+    # The bound is exact, not an estimate: no error of its own to carry below. Above it the
+    # cost is as uncertain as the window's own fit left it: up to that fit's upper end (8B
+    # chat with 16 GiB on the H200: -10.8 +- 32.5 us by the window, a floor of 16.6 us, so
+    # 16.6 to 21.7 us, and a reload at most 1.8x cheaper rather than 1.4x).
+    upper = fit.computed_seconds_per_token + 2 * fit.computed_stderr
+    floored = _offload_fit_given(pts, floor, 0.0, at_floor=True)
+    if floored is None:
+        return fit
+    return replace(floored, computed_upper_stderr=max(upper - floor, 0.0) / 2)
 
 
 def _offload_fit_known(

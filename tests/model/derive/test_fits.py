@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from exporter.model.derive.balance import offload_balance
 from exporter.model.derive.fits import OffloadFit, PrefillFit, offload_fit, prefill_fit
 
 
@@ -159,6 +160,56 @@ def test_a_computed_tokens_floor_bounds_the_window_fit_from_below() -> None:
     before = PrefillFit(0.02, 300e-6, 40, 0.9, 5e-6)
     got = offload_fit(pts, 8, before, 200e-6)
     assert got is not None and got.computed_before and got.computed_seconds_per_token == 300e-6
+
+
+def test_at_its_floor_a_computed_tokens_cost_is_uncertain_upwards_only() -> None:
+    """The floor is a lower bound: a fit on it has no error below, but above it the cost is
+    as uncertain as the window's own fit left it. The interval's lower ends (what proves a
+    saving) stay at the floor; its upper ends (what rules a saving out) reach the window's
+    own upper end, in the speedup, the saving and the balance."""
+    pts = _intervals(4)
+    alone = offload_fit(pts, 8)
+    assert alone is not None and alone.computed_stderr is not None
+    own_upper = alone.computed_seconds_per_token + 2 * alone.computed_stderr
+    floor = (alone.computed_seconds_per_token + own_upper) / 2  # inside the window's interval
+    fit = offload_fit(pts, 8, None, floor)
+    assert fit is not None and fit.computed_floor and fit.computed_stderr == 0.0
+    assert fit.computed_upper_stderr == pytest.approx((own_upper - floor) / 2)
+    assert fit.loaded_stderr is not None and fit.saving_stderr == fit.loaded_stderr
+    lo, hi = fit.saving_bounds() or (0.0, 0.0)
+    s = fit.saving_seconds_per_token
+    assert s - lo == pytest.approx(2 * fit.loaded_stderr)  # below: the loaded token only
+    assert hi - s == pytest.approx(2 * math.hypot(fit.loaded_stderr, (own_upper - floor) / 2))
+    speed = fit.speedup_bounds()
+    assert speed is not None
+    assert speed[1] == pytest.approx(
+        own_upper / (fit.loaded_seconds_per_token - 2 * fit.loaded_stderr)
+    )
+    sums = {
+        "prompt_by_source:external_kv_transfer": 100_000.0,
+        "prompt_by_source:local_compute": 50_000.0,
+        "store_seconds": 0.5,
+        "ttft_seconds": 60.0,
+    }
+    bal = offload_balance(fit, sums)
+    assert bal is not None and bal.upper_stderr_seconds is not None
+    assert bal.upper_stderr_seconds > bal.stderr_seconds
+    net = bal.net_seconds
+    assert bal.share(-2.0) == pytest.approx(
+        (net - 2 * bal.stderr_seconds) / (60.0 + net - 2 * bal.stderr_seconds)
+    )
+    assert bal.share(2.0) == pytest.approx(
+        (net + 2 * bal.upper_stderr_seconds) / (60.0 + net + 2 * bal.upper_stderr_seconds)
+    )
+    # A floor above the window's whole interval: nothing above it is left uncertain.
+    high = offload_fit(pts, 8, None, own_upper * 1.5)
+    assert high is not None and high.computed_upper_stderr == 0.0
+    assert high.saving_bounds() == pytest.approx(
+        (
+            high.saving_seconds_per_token - 2 * (high.loaded_stderr or 0.0),
+            high.saving_seconds_per_token + 2 * (high.loaded_stderr or 0.0),
+        )
+    )
 
 
 def test_a_fits_prediction_of_a_total_carries_its_covariance() -> None:
