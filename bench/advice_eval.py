@@ -41,6 +41,7 @@ summed TTFT by at least 3 %, costs when it adds 3 % or more, neutral in between)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import os
@@ -303,11 +304,63 @@ def _workers() -> int:
     return max(1, int(env) if env else (os.cpu_count() or 1))
 
 
+# An evaluation is a pure function of the code it runs and the recordings: `./run test`
+# evaluates the matrix in `gen --check` and again in tests/test_advice_eval.py, about 2.5 min
+# each on two cores, and the second reads what the first wrote. Keyed by the bytes of every
+# file under exporter/ and bench/ and of every recording, so any change evaluates afresh;
+# KVOE_EVAL_CACHE=off never reads or writes it.
+CACHE = REPO / ".cache" / "advice-eval"
+
+
+def cache_key(root: Path, interval: float) -> str:
+    h = hashlib.sha256(f"{interval!r} {sys.version}".encode())
+    for base, files in (
+        (REPO, [f for d in ("exporter", "bench") for f in (REPO / d).rglob("*")]),
+        (root, list(root.rglob("*"))),
+    ):
+        for f in sorted(files):
+            if f.is_file() and "__pycache__" not in f.parts:
+                h.update(f"\0{f.relative_to(base)}\0".encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _from_json(d: dict[str, Any]) -> RunEval:
+    """RunEval from its asdict() JSON (the cache)."""
+    after = d["after"]
+    return RunEval(
+        **{
+            **d,
+            "predictions": tuple(Prediction(**p) for p in d["predictions"]),
+            "after": After(**after) if after is not None else None,
+            "harmful_at_s": tuple(d["harmful_at_s"]),
+            "unmeasured": tuple(tuple(u) for u in d["unmeasured"]),
+        }
+    )
+
+
 def evaluate(root: Path = MATRIX, interval: float | None = None) -> list[RunEval]:
     """Every recording under root judged; `interval`: the exporter's --interval the replays
     run at (default: the exporter's default; one scrape per interval where it is coarser
-    than the recordings' 1 s)."""
+    than the recordings' 1 s). Read from the cache (above) where the same code evaluated
+    the same recordings before."""
     interval = Config().interval if interval is None else interval
+    if os.environ.get("KVOE_EVAL_CACHE", "on") == "off":
+        return _evaluate(root, interval)
+    path = CACHE / f"{cache_key(root, interval)}.json"
+    try:
+        return [_from_json(d) for d in json.loads(path.read_text())]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: evaluate
+    evals = _evaluate(root, interval)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps([asdict(e) for e in evals]))
+    tmp.replace(path)  # atomic: a concurrent reader sees all of it or nothing
+    return evals
+
+
+def _evaluate(root: Path, interval: float) -> list[RunEval]:
     runs = sorted(p.parent for p in root.glob("*/meta.json"))
     metas = {r.name: _meta(r) for r in runs}
     records = {r.name: _requests(r) for r in runs}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import lzma
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,14 @@ from bench.advice_eval import (
     MATRIX,
     RunEval,
     _about,
+    _from_json,
     _judge,
     _judged_at,
     _meta,
     _requests,
     _swings,
     _timeline,
+    cache_key,
     evaluate,
     held_out,
     markdown,
@@ -378,6 +381,26 @@ def test_a_control_run_without_offload_pairs_with_the_offload_runs_of_its_sessio
     evals = {e.run: e for e in evaluate(tmp_path)}
     assert {p.size_bytes for p in evals["qwen3-8b-rag-zipf-none"].predictions} == {9 * GIB}
     assert {p.size_bytes for p in evals["qwen3-8b-rag-zipf-none-ctl"].predictions} == {27 * GIB}
+
+
+def test_a_cached_evaluation_is_the_evaluation(
+    evals, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The cache (`./run test` evaluates the matrix in gen --check and here) gives back
+    exactly what was evaluated, and any byte of a recording, or another interval, is
+    another key: evaluated afresh, never a stale result."""
+    assert [_from_json(json.loads(json.dumps(asdict(e)))) for e in evals] == evals
+    for name in ("qwen3-8b-rag-zipf-none", "qwen3-8b-rag-zipf-cpu64k"):
+        shutil.copytree(MATRIX / name, tmp_path / name)
+    key = cache_key(tmp_path, 1.0)
+    assert key == cache_key(tmp_path, 1.0) != cache_key(tmp_path, 2.0)
+    fresh = evaluate(tmp_path)  # written to the cache, or read where a run wrote it
+    assert evaluate(tmp_path) == fresh
+    monkeypatch.setenv("KVOE_EVAL_CACHE", "off")
+    assert evaluate(tmp_path) == fresh  # evaluated again, not read
+    meta = tmp_path / "qwen3-8b-rag-zipf-cpu64k" / "meta.json"
+    meta.write_bytes(meta.read_bytes() + b"\n")
+    assert cache_key(tmp_path, 1.0) != key
 
 
 def test_a_replicate_without_offload_pairs_with_the_offload_runs_of_its_machine(
