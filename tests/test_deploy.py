@@ -782,6 +782,26 @@ def test_kubernetes_exporter_settings_load(rendered):
         assert ports["metrics"] == exporter_port(env)
 
 
+def test_the_model_weights_are_the_served_models(resolved, rendered):
+    """Kubernetes tells the exporter the weights of the model its vLLM serves (a computed
+    token's floor, docs/advisor.md): Qwen3-8B's, as vLLM 0.26 logged loading them on the
+    H200 (the matrix's meta.json). Compose passes VLLM_MODEL_WEIGHT_BYTES through, unknown
+    unless set, since its model is a variable too."""
+    logged = json.loads(
+        (REPO / "tests/fixtures/gpu/matrix/qwen3-8b-chat-none/meta.json").read_text()
+    )
+    for name, docs in rendered.items():
+        dep = deployment(docs)
+        vllm, env = container(dep, "vllm"), env_of(container(dep, "exporter"))
+        assert vllm["args"][0] == "Qwen/Qwen3-8B", name
+        weights = parse_bytes(env["KVOE_MODEL_WEIGHT_BYTES"])
+        assert weights == pytest.approx(logged["model_weight_bytes"], rel=1e-3), name
+    for profile, model in resolved.items():
+        if profile == "gpu":
+            assert model["services"]["exporter"]["environment"]["KVOE_MODEL_WEIGHT_BYTES"] == ""
+    assert "VLLM_MODEL_WEIGHT_BYTES" in (REPO / "deploy/compose/env.example").read_text()
+
+
 def test_podmonitor_scrapes_the_exporter_and_vllm(rendered):
     docs = rendered["base"]
     (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
