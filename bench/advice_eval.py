@@ -3,7 +3,10 @@
     PYTHONPATH=. .venv/bin/python -m bench.advice_eval [tests/fixtures/gpu/matrix] [--json]
         [--interval SECONDS ...]   (several: the goals at each exporter --interval)
 
-(the replays run in parallel, one worker process per CPU; KVOE_EVAL_WORKERS sets how many)
+(the replays run in parallel, one worker process per CPU; KVOE_EVAL_WORKERS sets how many;
+an evaluation is kept in .cache/advice-eval/, keyed by the bytes of exporter/, bench/ and
+the recordings, and read back while none of them changes; KVOE_EVAL_CACHE=off evaluates
+afresh)
 
 Each recording is replayed with DEFAULT thresholds (`kv-offload-exporter replay`, the code
 the live exporter runs). Its label comes from what the runs measured, never from which
