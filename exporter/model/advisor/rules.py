@@ -636,10 +636,15 @@ def _delivered_text(dv: DeliveredSaving) -> str:
 
 
 def _balance_text(bal: OffloadBalance) -> str:
+    # Wider above where a computed token's cost sits on its floor (one-sided below).
+    spread = (
+        f"+- {2 * bal.stderr_seconds:.2f} s"
+        if bal.upper_stderr_seconds is None
+        else f"-{2 * bal.stderr_seconds:.2f}/+{2 * bal.upper_stderr_seconds:.2f} s"
+    )
     return (
         f"the loaded tokens saved {bal.saved_seconds:.2f} s of TTFT and storing every computed "
-        f"block cost {bal.store_seconds:.2f} s: net {bal.net_seconds:+.2f} +- "
-        f"{2 * bal.stderr_seconds:.2f} s"
+        f"block cost {bal.store_seconds:.2f} s: net {bal.net_seconds:+.2f} {spread}"
     )
 
 

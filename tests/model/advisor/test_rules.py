@@ -476,6 +476,27 @@ def test_a_balance_that_cannot_reach_the_material_share_turns_offload_off():
     assert a.action != Action.DISABLE_OFFLOAD
 
 
+def test_a_balance_wider_above_says_both_ends():
+    """A computed token on its floor leaves the balance one-sided (fits.OffloadFit
+    computed_upper_stderr): the explanation gives the interval as it is, not symmetric, and
+    the upper end decides whether offload is turned off."""
+    bal = offload_balance(CHAT_FIT, CHAT_SUMS)
+    assert bal is not None
+    wide = replace(bal, upper_stderr_seconds=4 * bal.stderr_seconds)
+    assert (wide.share(2.0) or 0.0) > (bal.share(2.0) or 0.0)
+    assert wide.share(-2.0) == bal.share(-2.0)
+    d = base(**{**ON, "offload_fit": CHAT_FIT, "balance": bal, "transfer_speedup": 3.5})
+    narrow = evaluate(inp(d))
+    assert f"+- {2 * bal.stderr_seconds:.2f} s" in narrow.explanation
+    a = evaluate(inp(replace(d, balance=wide)))
+    assert f"-{2 * bal.stderr_seconds:.2f}/+{8 * bal.stderr_seconds:.2f} s" in a.explanation
+    # Narrow, at most -0.1 % of TTFT: off. Wider above, the upper end reaches the material
+    # share, and it is not turned off for saving too little.
+    assert narrow.reason == "ttft_saving_immaterial"
+    assert (wide.share(2.0) or 0.0) >= DEFAULT.ttft_saving_material
+    assert a.reason != "ttft_saving_immaterial"
+
+
 def test_a_balance_too_small_waits_while_the_tier_fills():
     """Until the tier has stored its size once, what its hits save can only grow: the 14B
     RAG-Zipf engine with 32 GiB on the H200 was turned off with 28 GiB stored, where offload
