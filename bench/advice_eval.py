@@ -356,10 +356,13 @@ def evaluate(root: Path = MATRIX, interval: float | None = None) -> list[RunEval
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none yet, or unreadable: evaluate
     evals = _evaluate(root, interval)
-    CACHE.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps([asdict(e) for e in evals]))
-    tmp.replace(path)  # atomic: a concurrent reader sees all of it or nothing
+    try:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps([asdict(e) for e in evals]))
+        tmp.replace(path)  # atomic: a concurrent reader sees all of it or nothing
+    except OSError as e:  # a read-only checkout: evaluated, just not kept
+        print(f"advice_eval: not cached ({e})", file=sys.stderr)
     return evals
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import advice_eval
 from bench.advice_eval import (
     GOALS,
     MATRIX,
@@ -398,6 +399,12 @@ def test_a_cached_evaluation_is_the_evaluation(
     assert evaluate(tmp_path) == fresh
     monkeypatch.setenv("KVOE_EVAL_CACHE", "off")
     assert evaluate(tmp_path) == fresh  # evaluated again, not read
+    # Where the cache cannot be written (a read-only checkout): evaluated, not kept.
+    monkeypatch.setenv("KVOE_EVAL_CACHE", "on")
+    blocked = tmp_path.parent / f"{tmp_path.name}-a-file"  # outside the recordings
+    blocked.write_text("")
+    monkeypatch.setattr(advice_eval, "CACHE", blocked / "cache")
+    assert evaluate(tmp_path) == fresh
     meta = tmp_path / "qwen3-8b-rag-zipf-cpu64k" / "meta.json"
     meta.write_bytes(meta.read_bytes() + b"\n")
     assert cache_key(tmp_path, 1.0) != key
