@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -151,6 +152,10 @@ def cmd_advise(argv: Sequence[str]) -> int:
     return 0
 
 
+# What a shell reports for a command killed by SIGPIPE (128 + 13).
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
@@ -159,6 +164,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         command, rest = "serve", argv
     if command == "serve":
         return cmd_serve(rest)
+    try:
+        return _run_printing(command, rest)
+    except BrokenPipeError:
+        # The reader went away (`replay ... | head`): stop quietly, as cat and grep do. Python
+        # flushes stdout again at exit; pointing it at /dev/null keeps that flush from
+        # raising a second time into a traceback.
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _run_printing(command: str, rest: list[str]) -> int:
+    """The subcommands that print a report on stdout."""
     if command == "advise":
         return cmd_advise(rest)
     if command == "whatif":

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +90,19 @@ def test_advise_on_a_dead_url_says_so(capsys) -> None:
     assert rc == 1
     assert f"no answer from an exporter at {url}" in captured.err and "refused" in captured.err
     assert captured.out == ""
+
+
+def test_a_reader_that_goes_away_ends_a_report_quietly() -> None:
+    """`replay ... | head`: the pipe closes before the report is written."""
+    run = Path(__file__).parent / "fixtures" / "gpu" / "matrix" / "qwen3-0.6b-unique-none"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exporter", "replay", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the replay has printed a line
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()
+    assert err == b""
