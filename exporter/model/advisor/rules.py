@@ -131,10 +131,11 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["offload_delivered_saving_stderr_seconds"] = d.delivered.stderr_seconds
         numbers["offload_delivered_saving_share"] = d.delivered.share()
     if d.balance is not None:
+        _, stores = d.balance.priced()
         numbers["offload_net_saving_seconds"] = d.balance.net_seconds
-        numbers["offload_net_saving_stderr_seconds"] = d.balance.stderr_seconds
+        numbers["offload_net_saving_stderr_seconds"] = d.balance.net_stderr_seconds
         numbers["offload_net_saving_share"] = d.balance.share()
-        numbers["offload_store_cost_seconds"] = d.balance.store_seconds
+        numbers["offload_store_cost_seconds"] = stores
     if inp.whatif is not None:
         numbers["recomputed_after_eviction_tokens"] = inp.whatif.recomputed_after_eviction_tokens
         numbers["whatif_configured_hit_ratio"] = inp.whatif.configured_hit_ratio
@@ -636,15 +637,16 @@ def _delivered_text(dv: DeliveredSaving) -> str:
 
 
 def _balance_text(bal: OffloadBalance) -> str:
+    saved, stores = bal.priced()
+    net = saved - stores
+    below, above = net - bal.net(-2.0), bal.net(2.0) - net
     # Wider above where a computed token's cost sits on its floor (one-sided below).
     spread = (
-        f"+- {2 * bal.stderr_seconds:.2f} s"
-        if bal.upper_stderr_seconds is None
-        else f"-{2 * bal.stderr_seconds:.2f}/+{2 * bal.upper_stderr_seconds:.2f} s"
+        f"+- {below:.2f} s" if f"{below:.2f}" == f"{above:.2f}" else f"-{below:.2f}/+{above:.2f} s"
     )
     return (
-        f"the loaded tokens saved {bal.saved_seconds:.2f} s of TTFT and storing every computed "
-        f"block cost {bal.store_seconds:.2f} s: net {bal.net_seconds:+.2f} {spread}"
+        f"the loaded tokens saved {saved:.2f} s of TTFT and storing every computed "
+        f"block cost {stores:.2f} s: net {net:+.2f} {spread}"
     )
 
 

@@ -19,6 +19,13 @@ path. On the H200 matrix (docs/gpu-acceptance.md) prefill time rose by 1.2-1.8 s
 (bench/store_cost.py): there the balance leans toward offload (docs/advisor.md, "Its
 limit").
 
+A computed token's floor (the GPU time its weights take) is a cost with no store in it, so
+where a loaded token is priced at the floor it saved (floor - c_loaded) and carries no store:
+
+    TTFT without offload - TTFT with >= (floor - c_loaded) x loaded - s x computed
+
+The balance takes whichever of the two saves more (OffloadBalance.priced).
+
 The issue's truth (docs/advisor.md) says offload pays when it cuts summed TTFT by 3 % or
 more of the time without it; the balance states its estimate in that very unit.
 """
@@ -45,23 +52,67 @@ class OffloadBalance:
     computed_tokens: float
     saved_seconds: float  # loaded tokens x the measured saving per loaded token
     store_seconds: float  # the store cost charged to every loaded and computed token
-    stderr_seconds: float  # of the net, from the saving's standard error
+    stderr_seconds: float  # of saved_seconds, from the saving's standard error
     ttft_seconds: float  # summed TTFT over the window, with offload
     # Above the net, where wider (a computed token at its floor: OffloadFit.saving_upper_stderr).
     upper_stderr_seconds: float | None = None
+    # What the loaded tokens saved were a computed token to cost only its floor
+    # (compute.computed_token_floor), and its standard error; None without a floor.
+    floor_saved_seconds: float | None = None
+    floor_stderr_seconds: float = 0.0
+
+    def priced(
+        self, z: float = 0.0, store_factor: float = 1.0, tokens: tuple[float, float] | None = None
+    ) -> tuple[float, float]:
+        """(TTFT the loaded tokens saved, TTFT the stores cost) at the window's prices: the
+        saving per loaded token shifted by z standard errors, the stores at store_factor
+        times their copy time; for the window's own tokens, or for `tokens` = (loaded, total
+        prompt tokens) of the same traffic at another size (the what-if).
+
+        The fit's computed token was measured with its store running, so a loaded token's
+        measured saving includes a store it never had to pay for (hence the stores charged
+        to loaded tokens too). The floor is a cost with no store in it: where a loaded token
+        saves more priced at the floor than at the fit less its store, the floor decides,
+        and only the tokens computed with offload pay stores. Charging the stores to the
+        loaded tokens as well there would count them twice (8B chat with 27 GiB on the H200:
+        3.94 s saved at the floor against 4.01 s of stores, 2.98 s of them on loaded
+        tokens)."""
+        window = self.loaded_tokens + self.computed_tokens
+        loaded, total = tokens if tokens is not None else (self.loaded_tokens, window)
+        se = self.stderr_seconds
+        if z > 0 and self.upper_stderr_seconds is not None:
+            se = self.upper_stderr_seconds
+        per_loaded = (self.saved_seconds + z * se) / self.loaded_tokens
+        per_store = store_factor * self.store_seconds / window
+        if self.floor_saved_seconds is not None:
+            at_floor = (
+                self.floor_saved_seconds + z * self.floor_stderr_seconds
+            ) / self.loaded_tokens
+            if at_floor > per_loaded - per_store:
+                return at_floor * loaded, per_store * (total - loaded)
+        return per_loaded * loaded, per_store * total
+
+    def net(
+        self, z: float = 0.0, store_factor: float = 1.0, tokens: tuple[float, float] | None = None
+    ) -> float:
+        """TTFT saved net of the stores (priced); negative: offload cost."""
+        saved, stores = self.priced(z, store_factor, tokens)
+        return saved - stores
 
     @property
     def net_seconds(self) -> float:
         """TTFT the window's traffic saved through offload (negative: offload cost)."""
-        return self.saved_seconds - self.store_seconds
+        return self.net()
+
+    @property
+    def net_stderr_seconds(self) -> float:
+        """The net's standard error below it (above it may be wider: upper_stderr_seconds)."""
+        return (self.net_seconds - self.net(-2.0)) / 2
 
     def share(self, z: float = 0.0, store_factor: float = 1.0) -> float | None:
         """Net saving (shifted by z standard errors, the stores charged at store_factor
-        times store_seconds) over the TTFT the traffic would have had without offload."""
-        se = self.stderr_seconds
-        if z > 0 and self.upper_stderr_seconds is not None:
-            se = self.upper_stderr_seconds
-        net = self.saved_seconds - store_factor * self.store_seconds + z * se
+        times their copy time) over the TTFT the traffic would have had without offload."""
+        net = self.net(z, store_factor)
         without = self.ttft_seconds + net
         if without <= 0:
             return None
@@ -69,9 +120,10 @@ class OffloadBalance:
 
 
 def offload_balance(
-    fit: OffloadFit | None, sums: Mapping[str, float] | None
+    fit: OffloadFit | None, sums: Mapping[str, float] | None, floor: float | None = None
 ) -> OffloadBalance | None:
-    """None without a valid TTFT fit with an error estimate, or without store timing."""
+    """None without a valid TTFT fit with an error estimate, or without store timing.
+    `floor`: the least a computed token costs (compute.computed_token_floor), or None."""
     if fit is None or not fit.valid or fit.saving_stderr is None or sums is None:
         return None
     loaded, computed = sums[LOADED], sums[COMPUTED]
@@ -90,6 +142,10 @@ def offload_balance(
             if fit.saving_upper_stderr is not None and fit.saving_upper_stderr != fit.saving_stderr
             else None
         ),
+        floor_saved_seconds=(
+            (floor - fit.loaded_seconds_per_token) * loaded if floor is not None else None
+        ),
+        floor_stderr_seconds=(fit.loaded_stderr or 0.0) * loaded,
     )
 
 

@@ -335,7 +335,9 @@ def derive_engine(
     average = _rate(sums("computed_tokens", "prefill_seconds"))
     bal_sums = sums(*BALANCE_KEYS) if ofit is not None else None
     bal = offload_balance(
-        ofit, dict(zip(BALANCE_KEYS, bal_sums, strict=True)) if bal_sums else None
+        ofit,
+        dict(zip(BALANCE_KEYS, bal_sums, strict=True)) if bal_sums else None,
+        settings.computed_token_floor,
     )
 
     transfer: float | None = None

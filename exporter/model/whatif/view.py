@@ -304,7 +304,7 @@ def whatif_state(
         return None
     cost = ttft_cost_per_token(d)
     computed = view.computed_tokens
-    bal, fit = d.balance, d.offload_fit
+    bal = d.balance
     # Offload off with a TTFT floor: a hit saves computing only down to the floor, priced at
     # the floor fit's cost per token above it.
     floor = floor_fit(es, window, d.key) if not d.offload_enabled else None
@@ -331,15 +331,10 @@ def whatif_state(
     per_token = pf.seconds_per_token if pf is not None and pf.seconds_per_token > 0 else cost
 
     def saved(hits: float, cost: float | None, z: float = 0.0) -> float | None:
-        if bal is not None and fit is not None and computed is not None:
-            # Offload on: price each hit at the measured saving per loaded token (shifted by
-            # z standard errors) and every token computed without offload at the measured
-            # store cost, as the balance does (at the configured size the two agree).
-            if z and fit.saving_stderr is None:
-                return None
-            saving = fit.saving_seconds_per_token + z * (fit.saving_stderr or 0.0)
-            per_store = bal.store_seconds / (bal.loaded_tokens + bal.computed_tokens)
-            return (hits * saving - computed * per_store) / view.seconds
+        if bal is not None and computed is not None:
+            # Offload on: the hits and the tokens computed without offload at the window's
+            # prices, the balance's own (at the configured size the two agree).
+            return bal.net(z, tokens=(hits, computed)) / view.seconds
         priced = hits * share
         return ttft_saved_seconds_per_second(
             hits / view.seconds,
@@ -351,7 +346,7 @@ def whatif_state(
             priced / view.seconds,
         )
 
-    on = bal is not None and fit is not None and computed is not None
+    on = bal is not None and computed is not None
     points = tuple(
         WhatIfPoint(
             float(size),

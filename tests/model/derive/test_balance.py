@@ -33,6 +33,32 @@ def test_saving_minus_the_stores_of_every_loaded_and_computed_token() -> None:
     assert b.share(-2.0) == pytest.approx(1.35 / 21.35)
 
 
+def test_a_floor_has_no_store_in_it_so_loaded_tokens_carry_none() -> None:
+    # Stores of 2.5 us per computed token. A floor of 25 us saves 15 us a loaded token, no
+    # store in it; less than the fit's 30 us less the 2.5 us store it never had: the fit
+    # decides, as without a floor.
+    low = offload_balance(FIT, SUMS, floor=25e-6)
+    plain = offload_balance(FIT, SUMS)
+    assert low is not None and plain is not None
+    assert low.net_seconds == pytest.approx(1.75)
+    # At its floor (42 us) a computed token saves 32 us a loaded token, against 27.5 us by
+    # the fit less the store it never had: the floor decides, and only the 400k computed
+    # tokens pay stores (1 s), not the loaded ones too (0.25 s more).
+    at_floor = offload_balance(FIT, SUMS, floor=42e-6)
+    assert at_floor is not None
+    assert at_floor.priced() == pytest.approx((3.2, 1.0))
+    assert at_floor.net_seconds == pytest.approx(2.2)
+    # The floor is exact: its interval is the loaded token's alone (1 us).
+    assert at_floor.net(-2.0) == pytest.approx(2.0)
+    assert at_floor.net_stderr_seconds == pytest.approx(0.1)
+    # Dearer stores keep them on the computed tokens: 32 us x 100k - 2 x 1 s.
+    assert at_floor.net(0.0, 2.0) == pytest.approx(1.2)
+    # Without the floor the same stores at 2x: 30 us x 100k - 2 x 1.25 s.
+    assert plain.net(0.0, 2.0) == pytest.approx(0.5)
+    # The what-if at another size: 300k of the same 500k tokens loaded.
+    assert at_floor.net(tokens=(300_000.0, 500_000.0)) == pytest.approx(9.6 - 0.5)
+
+
 def test_a_balance_that_costs_has_a_negative_share() -> None:
     b = offload_balance(FIT, {**SUMS, "store_seconds": 4.0})
     assert b is not None and b.net_seconds == pytest.approx(-2.0)

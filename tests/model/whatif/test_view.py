@@ -217,11 +217,17 @@ def test_whatif_saving_with_offload_on_is_priced_as_the_balance() -> None:
         (300 * 28e-6 - 1200 * 0.012 / 1000) / 10.0
     )
     assert state.points[0].ttft_saved_upper_seconds_per_second is None
-    unsure = dataclasses.replace(fit, saving_stderr=None)
-    d = derived(offload_enabled=True, offload_fit=unsure, balance=bal)
+    # A computed token at its floor (45 us, no store in it): a hit saves 45 - 10 us and only
+    # the 900 tokens still computed are stored, as in the balance.
+    floored = dataclasses.replace(fit, computed_seconds_per_token=45e-6, computed_floor=True)
+    sums = balance_sums(loaded=200.0, computed=1000.0, store=0.012, ttft=4.0)
+    at_floor = offload_balance(floored, sums, floor=45e-6)
+    d = derived(offload_enabled=True, offload_fit=floored, balance=at_floor)
     state = whatif_state(snapshot(), w, d, (1000, 2000))
-    assert state is not None and state.points[0].ttft_saved_seconds_per_second is not None
-    assert state.points[0].ttft_saved_lower_seconds_per_second is None
+    assert state is not None
+    assert state.points[0].ttft_saved_seconds_per_second == pytest.approx(
+        (300 * 35e-6 - 900 * 0.012 / 1000) / 10.0
+    )
 
 
 def test_policy_points_at_the_planned_size_only() -> None:
