@@ -313,6 +313,17 @@ def _workers() -> int:
 # file under exporter/ and bench/ and of every recording, so any change evaluates afresh;
 # KVOE_EVAL_CACHE=off never reads or writes it.
 CACHE = REPO / ".cache" / "advice-eval"
+# Entries kept (about 70 KB each): the newest, enough for a few code states at each of the
+# four intervals docs/advisor.md tabulates.
+CACHE_KEEP = 16
+
+
+def _prune(keep: int = CACHE_KEEP) -> None:
+    """Remove all but the `keep` most recently written entries: each code state under
+    development leaves one per interval, and none is read again once the code moves on."""
+    entries = sorted(CACHE.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        old.unlink(missing_ok=True)
 
 
 def cache_key(root: Path, interval: float) -> str:
@@ -361,6 +372,7 @@ def evaluate(root: Path = MATRIX, interval: float | None = None) -> list[RunEval
         CACHE.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps([asdict(e) for e in evals]))
         tmp.replace(path)  # atomic: a concurrent reader sees all of it or nothing
+        _prune()
     except OSError as e:  # a read-only checkout: evaluated, just not kept
         print(f"advice_eval: not cached ({e})", file=sys.stderr)
     return evals

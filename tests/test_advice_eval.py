@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import lzma
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -365,6 +366,22 @@ def test_a_cached_evaluation_is_the_evaluation(
     meta = tmp_path / "qwen3-8b-rag-zipf-cpu64k" / "meta.json"
     meta.write_bytes(meta.read_bytes() + b"\n")
     assert cache_key(tmp_path, 1.0) != key
+
+
+def test_the_cache_keeps_its_newest_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each code state leaves an entry per interval; only the newest are kept."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setattr(advice_eval, "CACHE", cache)
+    for i in range(5):
+        entry = cache / f"{i}.json"
+        entry.write_text("[]")
+        os.utime(entry, (1000.0 + i, 1000.0 + i))
+    (cache / "notes.txt").write_text("not an entry")
+    advice_eval._prune(keep=2)
+    assert sorted(p.name for p in cache.iterdir()) == ["3.json", "4.json", "notes.txt"]
 
 
 def test_a_replicate_without_offload_pairs_with_the_offload_runs_of_its_machine(
