@@ -234,6 +234,32 @@ def _replace_section(path: str, source: str, body: str) -> str:
     return f"{head}{begin}\n\n{body}\n{end}{tail}"
 
 
+NUMBERS_DOC = "docs/status-page.md"
+NUMBERS_SOURCE = "exporter/model/advisor/types.py (NUMBER_INFO)"
+_KIND_UNIT = {
+    "n": "count",
+    "s": "seconds",
+    "seconds": "seconds",
+    "us": "seconds",
+    "ratio": "ratio",
+    "bytes": "bytes",
+    "tokens/s": "tokens per second",
+    "x": "ratio (x)",
+    "bool": "0 or 1",
+}
+
+
+def numbers_doc() -> dict[str, str]:
+    """docs/status-page.md: the table of an advice's numbers."""
+    from exporter.model.advisor.types import NUMBER_INFO
+
+    lines = ["| key | unit | the card says | meaning |", "|---|---|---|---|"]
+    for key, info in NUMBER_INFO.items():
+        lines.append(f"| `{key}` | {_KIND_UNIT[info.kind]} | {info.label} | {info.meaning} |")
+    body = "\n".join(lines) + "\n"
+    return {NUMBERS_DOC: _replace_section(NUMBERS_DOC, NUMBERS_SOURCE, body)}
+
+
 def advice_eval_doc() -> dict[str, str]:
     """docs/gpu-acceptance.md: the advice against the measured truth on the matrix runs."""
     from bench.advice_eval import evaluate, markdown
@@ -250,6 +276,7 @@ GENERATORS: list[Generator] = [
     dashboards,
     deploy_manifests,
     golden_exposition,
+    numbers_doc,
     advice_eval_doc,
 ]
 

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
-from exporter.model.advisor.types import ACTION_INFO, REASON_INFO, Action, Reason
-from scripts.gen import ADVISOR_BEGIN, ADVISOR_END
+from exporter.model.advisor.types import ACTION_INFO, NUMBER_INFO, REASON_INFO, Action, Reason
+from exporter.render.status_page import fmt_number
+from scripts.gen import ADVISOR_BEGIN, ADVISOR_END, NUMBERS_DOC, NUMBERS_SOURCE
 
 REPO = Path(__file__).resolve().parent.parent
 ACTIONS = [a.value for a in Action]
@@ -60,6 +61,48 @@ def test_each_reasons_action_is_the_one_rules_returns_with_it() -> None:
         assert REASON_INFO[Reason(reason)].action == action, (reason, action)
     # and every action is reachable
     assert {a for a, _ in pairs} == set(ACTIONS)
+
+
+def rules_numbers() -> set[str]:
+    """Every key rules.py puts in an advice's numbers: the keys of the dict literal it binds
+    to `numbers` and every `numbers["key"] = ...`."""
+    tree = ast.parse((REPO / "exporter/model/advisor/rules.py").read_text(encoding="utf-8"))
+    keys: set[str] = set()
+    for node in ast.walk(tree):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        value = getattr(node, "value", None)
+        for t in targets:
+            if isinstance(t, ast.Name) and t.id == "numbers" and isinstance(value, ast.Dict):
+                keys |= {k.value for k in value.keys if isinstance(k, ast.Constant)}
+            if (
+                isinstance(t, ast.Subscript)
+                and isinstance(t.value, ast.Name)
+                and t.value.id == "numbers"
+                and isinstance(t.slice, ast.Constant)
+            ):
+                keys.add(t.slice.value)
+    return keys
+
+
+def test_every_number_rules_gives_is_described_once() -> None:
+    keys = rules_numbers()
+    assert len(keys) >= 20, "the rules.py parser finds too few numbers: it is broken"
+    assert keys == set(NUMBER_INFO), "a number without a label and meaning, or vice versa"
+
+
+def test_the_docs_list_every_number_and_the_card_labels_each() -> None:
+    text = (REPO / NUMBERS_DOC).read_text(encoding="utf-8")
+    section = text.split(f"from {NUMBERS_SOURCE}; do not edit -->")[1].split("<!-- END")[0]
+    assert re.findall(r"^\| `(\w+)` \|", section, re.M) == list(NUMBER_INFO)
+    for key, info in NUMBER_INFO.items():
+        label, text = fmt_number(key, 0.5)
+        assert label == info.label and text, key
 
 
 # --- dashboards --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from exporter.model.advisor.types import ACTION_INFO, Action, Tone
+from exporter.model.advisor.types import ACTION_INFO, NUMBER_INFO, Action, Tone
 from exporter.render.svg import (
     GIB,
     Axis,
@@ -116,30 +116,6 @@ def action_tone(action: str) -> str:
         return "wait"
 
 
-NUMBER_LABELS = {
-    "window_covered_seconds": ("window covered", "s"),
-    "prompt_tokens": ("prompt tokens in the window", "n"),
-    "kv_cache_usage_ratio": ("GPU KV cache usage", "ratio"),
-    "gpu_prefix_hit_ratio": ("GPU prefix hit ratio", "ratio"),
-    "offload_hit_ratio": ("offload hit ratio", "ratio"),
-    "offload_reuse_ratio": ("loaded / stored bytes", "ratio"),
-    "recompute_tokens_per_second": ("marginal recompute", "tokens/s"),
-    "transfer_tokens_per_second": ("reload", "tokens/s"),
-    "transfer_speedup_ratio": ("reload / recompute speed", "x"),
-    "transfer_rate_estimated": ("reload rate estimated, not measured", "bool"),
-    "measured_saving_seconds_per_loaded_token": ("TTFT saved per loaded token", "us"),
-    "offload_buffer_bytes": ("configured CPU buffer", "bytes"),
-    "affordable_buffer_bytes": ("largest affordable buffer", "bytes"),
-    "pcie_utilization_ratio": ("PCIe utilisation", "ratio"),
-    "recomputed_after_eviction_tokens": ("tokens recomputed after eviction", "n"),
-    "whatif_configured_hit_ratio": ("what-if hit ratio at the configured size", "ratio"),
-    "whatif_best_policy_hit_ratio": ("what-if hit ratio, best policy", "ratio"),
-    "memory_limit_bytes": ("container memory limit", "bytes"),
-    "memory_usage_bytes": ("container memory in use", "bytes"),
-    "offload_pool_bytes": ("pinned offload pool", "bytes"),
-}
-
-
 def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float):
         return None
@@ -186,7 +162,9 @@ def kv_offloading_size(size: float) -> str:
 
 
 def fmt_number(key: str, v: float) -> tuple[str, str]:
-    label, kind = NUMBER_LABELS.get(key, (key.replace("_", " "), "n"))
+    info = NUMBER_INFO.get(key)
+    # A key from another version's /advice: its name, as a plain number.
+    label, kind = (info.label, info.kind) if info is not None else (key.replace("_", " "), "n")
     if kind == "ratio":
         text = fmt_ratio(v)
     elif kind == "bytes":
@@ -195,6 +173,8 @@ def fmt_number(key: str, v: float) -> tuple[str, str]:
         text = f"{v:,.0f} tokens/s"
     elif kind == "s":
         text = f"{v:,.0f} s"
+    elif kind == "seconds":
+        text = f"{v:,.3g} s"
     elif kind == "x":
         text = f"{v:,.2f}x"
     elif kind == "bool":

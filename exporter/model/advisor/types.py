@@ -2,7 +2,8 @@
 
 Action and Reason are the one definition of what the advisor can say: the dashboards' value
 mappings, the catalogue's help text, the alert rules and docs/advisor.md are generated from
-them (scripts/gen.py) and a test keeps them in step.
+them (scripts/gen.py) and a test keeps them in step. NUMBER_INFO is the same for the numbers
+behind an advice: the status page's labels and docs/status-page.md's table.
 """
 
 from __future__ import annotations
@@ -266,6 +267,157 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
             Action.ENABLE_OFFLOAD,
             "evicted prefixes are recomputed and a CPU tier that fits would serve them, faster "
             "than recomputing",
+        ),
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NumberInfo:
+    """One of the numbers behind an advice (`/advice`'s `numbers`)."""
+
+    label: str  # as the status page's card and `advise` print it
+    kind: str  # how they print it: n, s, seconds, us, ratio, bytes, tokens/s, x, bool
+    meaning: str  # one line for docs/status-page.md
+
+
+# The one list of what rules.evaluate may put in an advice's numbers: the card's labels and
+# docs/status-page.md's table come from it, and tests/test_generated.py checks rules.py
+# against it.
+NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
+    {
+        "window_covered_seconds": NumberInfo(
+            "window covered", "s", "seconds of the window that good scrapes cover"
+        ),
+        "prompt_tokens": NumberInfo(
+            "prompt tokens in the window", "n", "prompt tokens the engine took in the window"
+        ),
+        "kv_cache_usage_ratio": NumberInfo(
+            "GPU KV cache usage", "ratio", "vLLM's GPU KV cache usage at the last scrape"
+        ),
+        "gpu_prefix_hit_ratio": NumberInfo(
+            "GPU prefix hit ratio", "ratio", "prompt tokens found in the GPU prefix cache"
+        ),
+        "offload_hit_ratio": NumberInfo(
+            "offload hit ratio", "ratio", "prompt tokens loaded from the CPU tier"
+        ),
+        "offload_reuse_ratio": NumberInfo(
+            "loaded / stored bytes", "ratio", "bytes loaded from the CPU tier over bytes stored"
+        ),
+        "recompute_tokens_per_second": NumberInfo(
+            "marginal recompute",
+            "tokens/s",
+            "tokens per second of prefill at the margin (the prefill fit's slope)",
+        ),
+        "transfer_tokens_per_second": NumberInfo(
+            "reload", "tokens/s", "tokens per second a reload moves (measured or estimated)"
+        ),
+        "transfer_speedup_ratio": NumberInfo(
+            "reload / recompute speed", "x", "reload speed over marginal recompute speed"
+        ),
+        "transfer_rate_estimated": NumberInfo(
+            "reload rate estimated, not measured",
+            "bool",
+            "1 where the reload rate is an estimate (link or --assumed-load-bandwidth)",
+        ),
+        "measured_saving_seconds_per_loaded_token": NumberInfo(
+            "TTFT saved per loaded token",
+            "us",
+            "TTFT a loaded token saves against a computed one, by the offload fit",
+        ),
+        "offload_buffer_bytes": NumberInfo(
+            "configured CPU buffer", "bytes", "the engine's --kv-offloading-size"
+        ),
+        "offload_stored_since_start_bytes": NumberInfo(
+            "stored to the CPU tier since start",
+            "bytes",
+            "bytes the CPU tier stored since the engine started: it has filled once this "
+            "reaches its size",
+        ),
+        "computed_token_floor_seconds": NumberInfo(
+            "least a computed token costs",
+            "us",
+            "the model's weight bytes over the GPU's dense peak",
+        ),
+        "affordable_buffer_bytes": NumberInfo(
+            "largest affordable buffer", "bytes", "the largest pinned buffer the memory allows"
+        ),
+        "pcie_utilization_ratio": NumberInfo(
+            "PCIe utilisation", "ratio", "the busiest direction of the busiest GPU's link"
+        ),
+        "offload_delivered_saving_seconds": NumberInfo(
+            "TTFT saved since enabling",
+            "seconds",
+            "summed TTFT the window's traffic cost before offload, less what it cost with it",
+        ),
+        "offload_delivered_saving_stderr_seconds": NumberInfo(
+            "its standard error", "seconds", "of the TTFT saved since enabling"
+        ),
+        "offload_delivered_saving_share": NumberInfo(
+            "TTFT saved since enabling, share",
+            "ratio",
+            "the same over the TTFT without offload (negative: a cost)",
+        ),
+        "offload_net_saving_seconds": NumberInfo(
+            "TTFT saved net of stores",
+            "seconds",
+            "the window's balance: TTFT the loaded tokens saved less what the stores cost",
+        ),
+        "offload_net_saving_stderr_seconds": NumberInfo(
+            "its standard error", "seconds", "of the balance, below it"
+        ),
+        "offload_net_saving_share": NumberInfo(
+            "TTFT saved net of stores, share",
+            "ratio",
+            "the balance over the TTFT without offload (negative: a cost)",
+        ),
+        "offload_store_cost_seconds": NumberInfo(
+            "TTFT the stores cost", "seconds", "the balance's store charge"
+        ),
+        "recomputed_after_eviction_tokens": NumberInfo(
+            "tokens recomputed after eviction",
+            "n",
+            "tokens the GPU computed again after evicting them",
+        ),
+        "whatif_configured_hit_ratio": NumberInfo(
+            "what-if hit ratio at the configured size",
+            "ratio",
+            "the what-if's hit ratio at the configured buffer",
+        ),
+        "cpu_tier_dropped_chunks": NumberInfo(
+            "chunks the CPU tier dropped", "n", "chunks removed from the CPU tier"
+        ),
+        "wasted_store_ratio": NumberInfo(
+            "dropped without a load",
+            "ratio",
+            "share of the dropped chunks that were never loaded",
+        ),
+        "wasted_store_bytes": NumberInfo(
+            "bytes stored, never loaded", "bytes", "bytes of those chunks"
+        ),
+        "reuse_gap_bytes_half": NumberInfo(
+            "half came back within",
+            "bytes",
+            "half the prefixes that came back after an eviction had been computed within "
+            "this much KV before",
+        ),
+        "reuse_gap_bytes_most": NumberInfo(
+            "90 % came back within", "bytes", "the same for 90 % of them"
+        ),
+        "memory_limit_bytes": NumberInfo(
+            "container memory limit", "bytes", "the cgroup's memory limit"
+        ),
+        "memory_usage_bytes": NumberInfo(
+            "container memory in use", "bytes", "the cgroup's memory use"
+        ),
+        "offload_pool_bytes": NumberInfo(
+            "pinned offload pool", "bytes", "the engine's pinned CPU pool"
+        ),
+        "whatif_best_policy_hit_ratio": NumberInfo(
+            "what-if hit ratio, best policy",
+            "ratio",
+            "the what-if's best hit ratio over the eviction policies and store thresholds "
+            "at the size it simulates them",
         ),
     }
 )
