@@ -54,7 +54,7 @@ class OffloadBalance:
     store_seconds: float  # the store cost charged to every loaded and computed token
     stderr_seconds: float  # of saved_seconds, from the saving's standard error
     ttft_seconds: float  # summed TTFT over the window, with offload
-    # Above the net, where wider (a computed token at its floor: OffloadFit.saving_upper_stderr).
+    # Above saved_seconds, where wider (a computed token at its floor: saving_upper_stderr).
     upper_stderr_seconds: float | None = None
     # What the loaded tokens saved were a computed token to cost only its floor
     # (compute.computed_token_floor), and its standard error; None without a floor.
