@@ -6,6 +6,7 @@ from __future__ import annotations
 from exporter.model.advisor.hysteresis import Advisor
 from exporter.model.advisor.rules import evaluate
 from exporter.model.advisor.types import Action, MemoryState
+from exporter.model.derive.fits import OffloadFit
 from exporter.vllm_metrics import EngineKey
 from tests.model.advisor.common import EK, GIB, ON, base, inp
 
@@ -86,3 +87,28 @@ def test_advisor_confirm_below_one_means_every_evaluation_counts():
     adv.update("t", inp(base(**ON)))
     drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
     assert adv.update("t", drop).action == Action.DISABLE_OFFLOAD
+
+
+def test_a_decision_holds_through_doubt_that_does_not_last():
+    adv = Advisor(confirm=3)
+    keep = inp(base(**ON))
+    # A loaded token 25 +- 40 us against 19 +- 72 us: whether it saves is not measured.
+    noisy = OffloadFit(
+        0.0, 25.2e-6, 18.7e-6, 7, 0.99, saving_stderr=18e-6, computed_stderr=20e-6,
+        loaded_stderr=36e-6,
+    )  # fmt: skip
+    unsure = inp(base(**{**ON, "offload_fit": noisy, "transfer_speedup": 5.25}))
+    assert evaluate(unsure).reason == "reload_benefit_unmeasured"
+    assert adv.update("t", keep).action == Action.KEEP
+    held = adv.update("t", unsure)
+    assert (held.action, held.candidate) == (Action.KEEP, Action.INSUFFICIENT_DATA)
+    assert adv.update("t", keep).action == Action.KEEP  # the doubt passed: the count restarts
+    assert [adv.update("t", unsure).action for _ in range(3)] == [
+        Action.KEEP,
+        Action.KEEP,
+        Action.INSUFFICIENT_DATA,
+    ]
+    # Once waiting, a decision needs its confirmations again; a stale target, evidence that
+    # is gone rather than in doubt, ends it at once.
+    assert [adv.update("t", keep).action for _ in range(3)][-1] == Action.KEEP
+    assert adv.update("t", inp(base(fresh=False))).action == Action.INSUFFICIENT_DATA
