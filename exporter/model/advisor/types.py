@@ -28,7 +28,8 @@ class Action(StrEnum):
     INSUFFICIENT_DATA = "insufficient_data"
 
 
-# Acted on at once: waiting out the hysteresis would mean an OOM kill or stale advice.
+# Acted on at once: waiting out the hysteresis would mean an OOM kill or stale advice (but a
+# decision holds through insufficient_data that is only doubt: hysteresis.HELD_THROUGH).
 URGENT = frozenset({Action.REDUCE_BUFFER_OOM_RISK, Action.INSUFFICIENT_DATA})
 
 
