@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from exporter.model.advisor.hysteresis import HELD_THROUGH
 from exporter.model.advisor.types import (
     ACTION_INFO,
     REASON_INFO,
@@ -63,6 +64,8 @@ def test_urgent_actions_are_the_ones_the_docs_exempt_from_hysteresis() -> None:
     section = section[: section.index("\n## ", 1)]
     named = {a for a in Action if f"`{a.value}`" in section}
     assert named == set(URGENT) == {Action.REDUCE_BUFFER_OOM_RISK, Action.INSUFFICIENT_DATA}
+    # and the doubt a standing decision holds through
+    assert {r for r in Reason if f"`{r.value}`" in section} == HELD_THROUGH
 
 
 def test_advice_defaults_and_is_frozen() -> None:
