@@ -22,7 +22,7 @@ import yaml
 
 from exporter.model.advisor.types import ACTION_INFO, NUMBER_INFO, REASON_INFO, Action, Reason
 from exporter.render.status_page import fmt_number
-from scripts.gen import ADVISOR_BEGIN, ADVISOR_END, NUMBERS_DOC, NUMBERS_SOURCE
+from scripts.gen import _KIND_UNIT, ADVISOR_BEGIN, ADVISOR_END, NUMBERS_DOC, NUMBERS_SOURCE
 
 REPO = Path(__file__).resolve().parent.parent
 ACTIONS = [a.value for a in Action]
@@ -103,6 +103,13 @@ def test_the_docs_list_every_number_and_the_card_labels_each() -> None:
     for key, info in NUMBER_INFO.items():
         label, text = fmt_number(key, 0.5)
         assert label == info.label and text, key
+    # A kind the card or the doc does not know would print as a bare number, or stop `gen`.
+    kinds = {info.kind for info in NUMBER_INFO.values()}
+    assert kinds <= set(_KIND_UNIT)
+    bare = fmt_number("no_such_key", 0.5)[1]
+    for key, info in NUMBER_INFO.items():
+        if info.kind != "n":
+            assert fmt_number(key, 0.5)[1] != bare, (key, info.kind)
 
 
 # --- dashboards --------------------------------------------------------------------------
