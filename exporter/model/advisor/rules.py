@@ -139,6 +139,8 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
     if inp.whatif is not None:
         numbers["recomputed_after_eviction_tokens"] = inp.whatif.recomputed_after_eviction_tokens
         numbers["whatif_configured_hit_ratio"] = inp.whatif.configured_hit_ratio
+        numbers["whatif_requests_per_step"] = inp.whatif.requests_per_step
+        numbers["whatif_load_wait_share"] = inp.whatif.load_wait_share
     if inp.evidence is not None:
         ev = inp.evidence
         numbers["cpu_tier_dropped_chunks"] = float(ev.dropped_chunks)

@@ -385,6 +385,18 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
             "ratio",
             "the what-if's hit ratio at the configured buffer",
         ),
+        "whatif_requests_per_step": NumberInfo(
+            "requests sharing a computed token's step",
+            "n",
+            "offload off: prefills per engine step, weighted by tokens (KV events); the "
+            "what-if charges each store that many times",
+        ),
+        "whatif_load_wait_share": NumberInfo(
+            "a load's wait, share of a prefill",
+            "ratio",
+            "offload off: what a load would keep its request waiting beyond its copy, as a "
+            "share of the mean prefill time per request",
+        ),
         "cpu_tier_dropped_chunks": NumberInfo(
             "chunks the CPU tier dropped", "n", "chunks removed from the CPU tier"
         ),
@@ -442,6 +454,10 @@ class WhatIfState:
     points: tuple[WhatIfPoint, ...]
     recomputed_after_eviction_tokens: float  # over the window
     configured_hit_ratio: float | None = None  # simulated at the configured buffer
+    # Offload off: how the window's prefills shared their steps (whatif.view.StepSharing),
+    # which prices the stores and the loads' wait; None with offload on (the balance does).
+    requests_per_step: float | None = None
+    load_wait_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

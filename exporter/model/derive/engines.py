@@ -54,12 +54,14 @@ class DeriveSettings:
     assumed_load_bandwidth: float | None = None  # bytes/s, for engines without offload
     link_bandwidth: float | None = None  # bytes/s, theoretical host link (from NVML)
     link_efficiency: float = 0.56  # achieved/theoretical for vLLM's block copies (H200: 31/55)
-    # What a load from a CPU tier costs a request beyond its copy, as a share of the engine's
-    # mean prefill time per request: vLLM loads asynchronously and schedules the request at a
-    # step after it sees the copy done, so the request waits out part of a step of other
-    # work, and steps are longer on larger models. On the H200 matrix (vLLM 0.26,
+    # What a load from a CPU tier costs a request beyond its copy, at least, as a share of
+    # the engine's mean prefill time per request: vLLM loads asynchronously and schedules the
+    # request at a step after it sees the copy done, so the request waits out part of a step
+    # of other work, and steps are longer on larger models. On the H200 matrix (vLLM 0.26,
     # docs/whatif.md) queue time minus copy time per load was 0.16-0.26 of the prefill time
-    # per request with offload on: 5.7 ms (0.6B), 7.4-10.7 ms (8B), 20-26 ms (32B).
+    # per request with offload on: 5.7 ms (0.6B), 7.4-10.7 ms (8B), 20-26 ms (32B). A load
+    # that leaves a step it would have shared waits out the rest of it (whatif.view.
+    # step_sharing).
     load_wait_share: float = 0.2
     min_fit_points: int = 4
     launch: LaunchConfig | None = None  # the target's vLLM command line, when readable

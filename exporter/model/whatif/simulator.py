@@ -1209,6 +1209,7 @@ def ttft_saved_seconds_per_second(
     loads_per_second: float = 0.0,
     seconds_per_load: float = 0.0,
     priced_tokens_per_second: float | None = None,
+    requests_per_store: float = 1.0,
 ) -> float | None:
     """Summed TTFT saved per second by a CPU tier serving these hits: negative when it costs.
 
@@ -1219,7 +1220,9 @@ def ttft_saved_seconds_per_second(
     Each load also keeps its request waiting `seconds_per_load` beyond the copy (vLLM
     schedules it at a step after the copy is seen done), however few tokens it brings.
     `priced_tokens_per_second` (default: the hits) are the tokens whose computing the hits
-    save: fewer where prefills have a floor (view.floor_fit).
+    save: fewer where prefills have a floor (view.floor_fit). A store delays every request
+    whose prefill shares its step, a load only its own request: the stores are charged
+    `requests_per_store` times (view.StepSharing.requests_per_step).
     """
     if seconds_per_computed_token is None or transfer_tokens_per_second is None:
         return None
@@ -1231,8 +1234,9 @@ def ttft_saved_seconds_per_second(
     priced = hit_tokens_per_second
     if priced_tokens_per_second is not None:
         priced = priced_tokens_per_second
+    stored = moved - hit_tokens_per_second
     return (
         priced * seconds_per_computed_token
-        - moved / transfer_tokens_per_second
+        - (hit_tokens_per_second + stored * requests_per_store) / transfer_tokens_per_second
         - loads_per_second * seconds_per_load
     )

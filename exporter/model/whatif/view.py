@@ -153,6 +153,51 @@ def window_view(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class StepSharing:
+    """How the prefills of a span shared their engine steps (vLLM publishes one KV-event
+    batch per step, so the prefills of one batch ran in one step)."""
+
+    # Prefills in a computed token's step, weighted by tokens: every request whose prefill
+    # is in a step waits out whatever delays that step (1 when requests run one at a time).
+    requests_per_step: float
+    # What a load keeps its request waiting beyond its copy, as a share of the mean prefill
+    # time per request: a prefill that recomputed an evicted prefix would have loaded it and
+    # left its step, so it waits out the others' part of that step, and at least `base`.
+    load_wait_share: float
+
+
+def step_sharing(
+    prefills: Sequence[tuple[float, int, int, tuple[float, ...]]],
+    t0: float,
+    t1: float,
+    base: float,
+) -> StepSharing | None:
+    """The sharing of the prefills stamped in [t0, t1) (EngineSnapshot.prefills, the newest
+    WhatIfSettings.prefill_history: time, tokens computed, of them recomputed after an
+    eviction); None when none is there.
+
+    8B bursts on the H200 (twelve requests sent at once, one step for all): 11.7 requests
+    per computed token's step; a loader's step was 0.79 others' tokens, and with the tier
+    on a load waited 79-100 ms of queue time against 107 ms of prefill per request. Where
+    requests come one at a time and sometimes overlap: 1.3-1.8 and 0.27-0.44."""
+    kept = [(ts, n, r) for ts, n, r, _ in prefills if t0 <= ts < t1]
+    if not kept:
+        return None
+    steps: dict[float, list[int]] = {}  # step -> [tokens, prefills]
+    for ts, n, _ in kept:
+        step = steps.setdefault(ts, [0, 0])
+        step[0] += n
+        step[1] += 1
+    tokens = sum(t for t, _ in steps.values())
+    weighted = sum(t * k for t, k in steps.values())
+    shares = [max(base, 1.0 - n / steps[ts][0]) for ts, n, r in kept if r > 0 and steps[ts][0]]
+    return StepSharing(
+        weighted / tokens if tokens > 0 else 1.0,
+        sum(shares) / len(shares) if shares else base,
+    )
+
+
 # Choosing a floor takes more intervals than one fit does.
 FLOOR_MIN_INTERVALS = 12
 
@@ -329,6 +374,13 @@ def whatif_state(
     # The hits shorten the prefills a load waits on by the prefill time they save.
     pf = d.prefill_fit
     per_token = pf.seconds_per_token if pf is not None and pf.seconds_per_token > 0 else cost
+    # How the window's prefills shared their steps: a store is paid by every request in its
+    # step, and a load that leaves a shared step waits out the rest of it.
+    sharing = (
+        step_sharing(es.prefills, view.t0, view.t1, d.load_wait_share) if es is not None else None
+    )
+    wait_share = sharing.load_wait_share if sharing is not None else d.load_wait_share
+    per_store = sharing.requests_per_step if sharing is not None else 1.0
 
     def saved(hits: float, cost: float | None, z: float = 0.0) -> float | None:
         if bal is not None and computed is not None:
@@ -342,8 +394,9 @@ def whatif_state(
             d.transfer_tokens_per_second,
             computed / view.seconds if computed is not None else None,
             view.loads(hits) / view.seconds,
-            view.load_wait(d.load_wait_share, priced * (per_token or 0.0)),
+            view.load_wait(wait_share, priced * (per_token or 0.0)),
             priced / view.seconds,
+            per_store,
         )
 
     on = bal is not None and computed is not None
@@ -362,7 +415,13 @@ def whatif_state(
         if view.configured_hits is not None
         else None
     )
-    return WhatIfState(points, view.recomputed_tokens, conf)
+    return WhatIfState(
+        points,
+        view.recomputed_tokens,
+        conf,
+        sharing.requests_per_step if sharing is not None and not on else None,
+        wait_share if sharing is not None and not on else None,
+    )
 
 
 def tier_evidence(es: EngineSnapshot | None, d: EngineDerived) -> TierEvidence | None:
