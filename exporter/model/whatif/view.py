@@ -180,7 +180,7 @@ def step_sharing(
     8B bursts on the H200 (twelve requests sent at once, one step for all): 11.7 requests
     per computed token's step; a loader's step was 0.79 others' tokens, and with the tier
     on a load waited 79-100 ms of queue time against 107 ms of prefill per request. Where
-    requests come one at a time and sometimes overlap: 1.3-1.8 and 0.27-0.44."""
+    requests come one at a time and sometimes overlap: 1.2-1.8 and 0.23-0.46."""
     kept = [(ts, n, r) for ts, n, r, _ in prefills if t0 <= ts < t1]
     if not kept:
         return None
