@@ -387,7 +387,7 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
         ),
         "whatif_requests_per_step": NumberInfo(
             "requests sharing a computed token's step",
-            "n",
+            "x",
             "offload off: prefills per engine step, weighted by tokens (KV events); the "
             "what-if charges each store that many times",
         ),
