@@ -611,9 +611,22 @@ def test_matrix_scenarios_are_data() -> None:
     workloads = {s.workload.name for s in SCENARIOS.values()}
     assert shapes == {"qwen3-0.6b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}
     assert {"rag-zipf", "chat", "unique", "long-context", "concurrent"} <= workloads
-    matrix = [n for n in SCENARIOS if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k")]
+    graphs = [n for n in SCENARIOS if "-graphs-" in n]
+    matrix = [
+        n
+        for n in SCENARIOS
+        if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k") and n not in graphs
+    ]
     held_out = [n for n in matrix if SCENARIOS[n].shape.name == "qwen3-14b"]
     assert len(matrix) == 45 + 6 and len(held_out) == 6
+    # graphs.json: the same workloads as vLLM serves by default (CUDA graphs), its own pair
+    # family, so that its runs are never compared with the matrix's eager ones.
+    assert len(graphs) == 7  # five recorded in session 22, a loop to close
+    for n in graphs:
+        eager = SCENARIOS[n.replace("-graphs", "")]
+        assert SCENARIOS[n].vllm_args == () and eager.vllm_args == ("--enforce-eager",)
+        assert SCENARIOS[n].pair != eager.pair
+        assert SCENARIOS[n].workload == eager.workload and SCENARIOS[n].offload == eager.offload
     assert {SCENARIOS[n].workload.name for n in held_out} == {"chat", "rag-zipf"}
     shapes -= {"qwen3-14b"}
     # close-the-loop.json: the sizes the advisor recommended on replay, as scenarios too.
