@@ -88,11 +88,12 @@ def test_a_family_served_with_cuda_graphs_is_judged_on_its_own(evals) -> None:  
     family has no flag tag, so an offload run is compared with the graphs run without offload
     only, never with the matrix's eager ones. The what-if made on the 8B run without offload
     is within tolerance at both sizes measured (9 GiB pays 5.9 %, 27 GiB 25.5 %), and its
-    advice (16 GiB) is at a size not recorded yet: unverified, neither agreeing nor harmful.
-    0.6B costs 47 % there and its run without offload leaves offload off."""
+    advice (16 GiB) is at a size not recorded yet: unverified, neither agreeing nor harmful;
+    its control on a second machine (2.3 % slower without offload) says the same. 0.6B costs
+    47 % there and its run without offload leaves offload off."""
     by = {e.run: e for e in evals}
     graphs = [e for e in evals if "-graphs-" in e.run]
-    assert len(graphs) == 5
+    assert len(graphs) == 6
     families = {e.family for e in graphs}
     assert families == {"qwen3-8b-concurrent", "qwen3-0.6b-concurrent"}
     assert not families & {e.family for e in evals if "-graphs-" not in e.run}
@@ -106,6 +107,9 @@ def test_a_family_served_with_cuda_graphs_is_judged_on_its_own(evals) -> None:  
     assert all(p.measured > 0 for p in eight.predictions)
     assert eight.action == "enable_offload" and eight.recommended_bytes == 16 * GIB
     assert not eight.verified and not eight.harmful and eight.unmeasured
+    control = by["qwen3-8b-concurrent-graphs-none-ctl"]
+    assert (control.action, control.recommended_bytes) == (eight.action, eight.recommended_bytes)
+    assert not control.verified and control.predictions == ()
     small = by["qwen3-0.6b-concurrent-graphs-none"]
     assert small.truth == "costs" and small.action == "no_action" and small.agrees
 

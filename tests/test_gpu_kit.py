@@ -621,12 +621,17 @@ def test_matrix_scenarios_are_data() -> None:
     assert len(matrix) == 45 + 6 and len(held_out) == 6
     # graphs.json: the same workloads as vLLM serves by default (CUDA graphs), its own pair
     # family, so that its runs are never compared with the matrix's eager ones.
-    assert len(graphs) == 7  # five recorded in session 22, a loop to close
+    assert len(graphs) == 8  # six recorded in session 22, two to close its loop
     for n in graphs:
-        eager = SCENARIOS[n.replace("-graphs", "")]
-        assert SCENARIOS[n].vllm_args == () and eager.vllm_args == ("--enforce-eager",)
-        assert SCENARIOS[n].pair != eager.pair
-        assert SCENARIOS[n].workload == eager.workload and SCENARIOS[n].offload == eager.offload
+        sc = SCENARIOS[n]
+        eager = SCENARIOS[f"{sc.shape.name}-{sc.workload.name}-none"]
+        assert sc.vllm_args == () and eager.vllm_args == ("--enforce-eager",)
+        assert sc.pair != eager.pair and sc.workload == eager.workload
+        assert n.split("-graphs-")[1].split("-")[0] == (sc.offload.tag if sc.offload else "none")
+    assert (
+        SCENARIOS["qwen3-8b-concurrent-graphs-cpu64k"].offload
+        == SCENARIOS["qwen3-8b-concurrent-cpu64k"].offload
+    )
     assert {SCENARIOS[n].workload.name for n in held_out} == {"chat", "rag-zipf"}
     shapes -= {"qwen3-14b"}
     # close-the-loop.json: the sizes the advisor recommended on replay, as scenarios too.
