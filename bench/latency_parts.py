@@ -1,0 +1,145 @@
+"""Where a TTFT goes, per recording of the real-GPU matrix, and what offload changed in it.
+
+    PYTHONPATH=. .venv/bin/python -m bench.latency_parts [tests/fixtures/gpu/matrix] [RUN ...]
+        [--json]
+
+vLLM times every request in three histograms: its queue time (queued to scheduled; a load
+from the CPU tier keeps a request there), its prefill time (scheduled to first token) and its
+TTFT (arrival to first token). What the TTFT holds beyond the two, "pre" here, runs from the
+request's arrival to its queueing in the engine core, which takes new requests between
+steps (an arrival waits out the step in progress), plus the hand-back of its first token.
+Per recording this prints the mean of each per request from its first to its last scrape
+(each histogram's sum over its count), and per offload run the same for its run without
+offload (matrixkit.base_run, as `matrix.py truth` pairs them) and the change. The numbers
+docs/gpu-acceptance.md quotes per session (sessions 22 and 23) come from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import markdown_table
+from exporter import expfmt
+
+REPO = Path(__file__).resolve().parent.parent
+MATRIX = REPO / "tests" / "fixtures" / "gpu" / "matrix"
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import matrixkit  # type: ignore[import-not-found]  # noqa: E402  bench/gpu holds scripts, not a package
+
+# The histograms a TTFT splits into; their names are vllm_metrics.SERIES's (checked there by
+# tests/test_latency_parts.py, as dashboards/build.py checks its queries' names).
+PARTS: Mapping[str, str] = {
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+}
+COLUMNS = ("queue", "prefill", "ttft", "pre")
+_SAMPLES = {
+    f"{name}{suffix}": (part, i)
+    for part, name in PARTS.items()
+    for i, suffix in enumerate(("_sum", "_count"))
+}
+
+
+def histogram_totals(body: str) -> dict[str, tuple[float, float]]:
+    """Per part: (sum, count) of its histogram in one exposition, every label set added
+    (one engine per recording; a data-parallel server's engines together)."""
+    totals = {part: [0.0, 0.0] for part in PARTS}
+    for sample in expfmt.parse(body, _SAMPLES):
+        part, i = _SAMPLES[sample.name]
+        totals[part][i] += sample.value
+    return {part: (s, n) for part, (s, n) in totals.items()}
+
+
+def latency_parts(first_body: str, last_body: str) -> dict[str, float] | None:
+    """Mean seconds per request of the requests the histograms counted between two scrapes:
+    queue, prefill, ttft and pre = ttft - queue - prefill. None where a histogram counted none.
+    vLLM counts queue and prefill time at a request's end and its TTFT at its first token, so
+    over a window of a few requests the parts need not add up; over minutes they do."""
+    a, b = histogram_totals(first_body), histogram_totals(last_body)
+    out: dict[str, float] = {}
+    for part in PARTS:
+        count = b[part][1] - a[part][1]
+        if count <= 0:
+            return None
+        out[part] = (b[part][0] - a[part][0]) / count
+    out["pre"] = out["ttft"] - out["queue"] - out["prefill"]
+    return out
+
+
+def first_last_bodies(run: Path) -> tuple[str, str]:
+    """The /metrics bodies of a recording's first and last scrape."""
+    first = last = ""
+    with lzma.open(run / "metrics.jsonl.xz", "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                last = json.loads(line)["body"]
+                first = first or last
+    return first, last
+
+
+def _ms(parts: dict[str, float] | None) -> dict[str, float] | None:
+    return {k: round(v * 1e3, 2) for k, v in parts.items()} if parts is not None else None
+
+
+def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Per recording (every one under `root`, or `names`): "ms", its parts in milliseconds;
+    per offload run also "base" (its run without offload), "base_ms" and "change_ms"."""
+    metas = {m.parent.name: json.loads(m.read_text()) for m in sorted(root.glob("*/meta.json"))}
+    unknown = [n for n in names if n not in metas]
+    if unknown:
+        raise SystemExit(f"no recording named {', '.join(unknown)} under {root}")
+    parts: dict[str, dict[str, float] | None] = {}
+
+    def of(name: str) -> dict[str, float] | None:
+        if name not in parts:
+            parts[name] = _ms(latency_parts(*first_last_bodies(root / name)))
+        return parts[name]
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in names or sorted(metas):
+        row: dict[str, Any] = {"ms": of(name)}
+        base = matrixkit.base_run(metas, name) if metas[name].get("offload") else None
+        if base is not None:
+            mine, theirs = row["ms"], of(base)
+            row.update(base=base, base_ms=theirs)
+            if mine is not None and theirs is not None:
+                row["change_ms"] = {k: round(mine[k] - theirs[k], 2) for k in COLUMNS}
+        out[name] = row
+    return out
+
+
+def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
+    def cells(ms: Mapping[str, float] | None, signed: bool = False) -> list[str]:
+        fmt = "{:+.1f}" if signed else "{:.1f}"
+        return [fmt.format(ms[k]) if ms else "-" for k in COLUMNS]
+
+    header = ["run", *COLUMNS, "base", *(f"change {k}" for k in COLUMNS)]
+    body = [
+        [name, *cells(r["ms"]), r.get("base", "-"), *cells(r.get("change_ms"), signed=True)]
+        for name, r in rows.items()
+    ]
+    return markdown_table(header, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("root", nargs="?", type=Path, default=MATRIX)
+    ap.add_argument("runs", nargs="*", help="recordings under ROOT (default: all)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    rows = table(a.root, a.runs)
+    print(json.dumps(rows, indent=1) if a.json else markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
