@@ -75,3 +75,13 @@ def test_a_recording_without_a_finished_request_has_no_parts(tmp_path: Path) -> 
     assert latency_parts.table(tmp_path) == {"qwen3-0.6b-unique-none": {"ms": None}}
     with pytest.raises(SystemExit, match="no recording named nope"):
         latency_parts.table(tmp_path, ["nope"])
+
+
+def test_the_command_prints_json_or_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert latency_parts.main([str(MATRIX), "qwen3-32b-chat-graphs-cpu64k", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert list(rows) == ["qwen3-32b-chat-graphs-cpu64k"]
+    assert rows["qwen3-32b-chat-graphs-cpu64k"]["base"] == "qwen3-32b-chat-graphs-none"
+    assert latency_parts.main([str(MATRIX), "qwen3-32b-chat-graphs-none"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and out[2].startswith("| qwen3-32b-chat-graphs-none | 0.2 | 327.3 |")
