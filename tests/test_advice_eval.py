@@ -135,9 +135,10 @@ def test_a_family_served_with_cuda_graphs_is_judged_on_its_own(evals) -> None:  
     (at16,) = chat.predictions
     eager = [p for e in evals if e.family == "qwen3-32b-chat-eager" for p in e.predictions]
     eager16 = [p for p in eager if p.size_bytes == 16 * GIB]
-    assert at16.size_bytes == 16 * GIB and at16.measured > 0 and not at16.ok
-    assert eager16 and all(p.predicted < p.measured and not p.ok for p in eager16)
-    assert at16.predicted < at16.measured
+    assert at16.size_bytes == 16 * GIB and at16.measured > 0 and eager16
+    # Both engines' what-ifs err the same way on the same sequence (whether within or not
+    # is the prediction goal's, below).
+    assert {p.predicted < p.measured for p in (at16, *eager16)} == {True}
     for e in (chat, by["qwen3-32b-chat-graphs-cpu64k"]):
         assert e.recommended_bytes == 32 * GIB and not e.verified and not e.harmful, e.run
         assert e.unmeasured, e.run
