@@ -24,16 +24,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.advice_eval import MATRIX
 from bench.common import markdown_table
 from exporter import expfmt
 
-REPO = Path(__file__).resolve().parent.parent
-MATRIX = REPO / "tests" / "fixtures" / "gpu" / "matrix"
-sys.path.insert(0, str(REPO / "bench" / "gpu"))
-import matrixkit  # type: ignore[import-not-found]  # noqa: E402  bench/gpu holds scripts, not a package
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+import matrixkit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
 
-# The histograms a TTFT splits into; their names are vllm_metrics.SERIES's (checked there by
-# tests/test_latency_parts.py, as dashboards/build.py checks its queries' names).
+# The histograms a TTFT splits into; tests/test_latency_parts.py checks each name against
+# exporter.vllm_metrics.SERIES, as dashboards/build.py checks its queries' names.
 PARTS: Mapping[str, str] = {
     "queue": "vllm:request_queue_time_seconds",
     "prefill": "vllm:request_prefill_time_seconds",

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench import latency_parts
+from bench.advice_eval import MATRIX
 from exporter.vllm_metrics import SERIES
-
-MATRIX = latency_parts.MATRIX
 
 
 def _body(
