@@ -10,8 +10,14 @@ request's arrival to its queueing in the engine core, which takes new requests b
 steps (an arrival waits out the step in progress), plus the hand-back of its first token.
 Per recording this prints the mean of each per request from its first to its last scrape
 (each histogram's sum over its count), and per offload run the same for its run without
-offload (matrixkit.base_run, as `matrix.py truth` pairs them) and the change. The numbers
-docs/gpu-acceptance.md quotes per session (sessions 22 and 23) come from here.
+offload (matrixkit.base_run, as `matrix.py truth` pairs them) and the change.
+
+Per offload run it also splits the summed TTFT saved between the requests that loaded (their
+cached tokens above the same request's without offload: the hits the tier added) and the
+rest, from requests.jsonl: a hit shortens the steps and the queue every other request waits
+on too, which a price per loaded token does not show (session 24: 63 % of 32B chat's saving
+at 16 GiB went to requests that loaded nothing). The numbers docs/gpu-acceptance.md quotes
+per session (sessions 22-24) come from here.
 """
 
 from __future__ import annotations
@@ -83,13 +89,47 @@ def first_last_bodies(run: Path) -> tuple[str, str]:
     return first, last
 
 
+def spread(
+    base: Sequence[Mapping[str, Any]], offload: Sequence[Mapping[str, Any]]
+) -> dict[str, float | None] | None:
+    """Who the summed TTFT saved went to, over the requests both runs completed: "loaders"
+    (requests with more cached tokens than without offload), their "loaded_tokens" (those
+    extra tokens), "loaders_saved_s" and "others_saved_s" (TTFT without offload minus with,
+    summed), and "others_share" of the whole saving (None when nothing was saved). None when
+    no request is matched."""
+    pairs = matrixkit.matched_requests(base, offload)
+    if not pairs:
+        return None
+    loaders = loaded = 0
+    mine = theirs = 0.0
+    for a, b in pairs:
+        extra = int(b.get("cached_tokens") or 0) - int(a.get("cached_tokens") or 0)
+        saved = float(a["ttft_s"]) - float(b["ttft_s"])
+        if extra > 0:
+            loaders += 1
+            loaded += extra
+            mine += saved
+        else:
+            theirs += saved
+    total = mine + theirs
+    return {
+        "requests": float(len(pairs)),
+        "loaders": float(loaders),
+        "loaded_tokens": float(loaded),
+        "loaders_saved_s": round(mine, 4),
+        "others_saved_s": round(theirs, 4),
+        "others_share": round(theirs / total, 4) if total > 0 else None,
+    }
+
+
 def _ms(parts: dict[str, float] | None) -> dict[str, float] | None:
     return {k: round(v * 1e3, 2) for k, v in parts.items()} if parts is not None else None
 
 
 def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """Per recording (every one under `root`, or `names`): "ms", its parts in milliseconds;
-    per offload run also "base" (its run without offload), "base_ms" and "change_ms"."""
+    per offload run also "base" (its run without offload), "base_ms", "change_ms" and
+    "spread" (who the saving went to, `spread`)."""
     metas = {m.parent.name: json.loads(m.read_text()) for m in sorted(root.glob("*/meta.json"))}
     unknown = [n for n in names if n not in metas]
     if unknown:
@@ -110,6 +150,9 @@ def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str,
             row.update(base=base, base_ms=theirs)
             if mine is not None and theirs is not None:
                 row["change_ms"] = {k: round(mine[k] - theirs[k], 2) for k in COLUMNS}
+            row["spread"] = spread(
+                matrixkit.load_requests(root / base), matrixkit.load_requests(root / name)
+            )
         out[name] = row
     return out
 
@@ -119,9 +162,35 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
         fmt = "{:+.1f}" if signed else "{:.1f}"
         return [fmt.format(ms[k]) if ms else "-" for k in COLUMNS]
 
-    header = ["run", *COLUMNS, "base", *(f"change {k}" for k in COLUMNS)]
+    def who(sp: Mapping[str, Any] | None) -> list[str]:
+        if not sp:
+            return ["-"] * 4
+        share = sp["others_share"]
+        return [
+            f"{sp['loaders']:.0f} of {sp['requests']:.0f}",
+            f"{sp['loaders_saved_s']:.2f}",
+            f"{sp['others_saved_s']:.2f}",
+            f"{share:.0%}" if share is not None else "-",
+        ]
+
+    header = [
+        "run",
+        *COLUMNS,
+        "base",
+        *(f"change {k}" for k in COLUMNS),
+        "loaders",
+        "saved by loaders s",
+        "saved by others s",
+        "others' share",
+    ]
     body = [
-        [name, *cells(r["ms"]), r.get("base", "-"), *cells(r.get("change_ms"), signed=True)]
+        [
+            name,
+            *cells(r["ms"]),
+            r.get("base", "-"),
+            *cells(r.get("change_ms"), signed=True),
+            *who(r.get("spread")),
+        ]
         for name, r in rows.items()
     ]
     return markdown_table(header, body)

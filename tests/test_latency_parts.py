@@ -58,9 +58,47 @@ def test_an_offload_run_is_compared_with_its_run_without_offload(tmp_path: Path)
     assert change["queue"] > 10 and change["prefill"] < -100 and change["pre"] < -20
     for row in (base["ms"], on["ms"]):
         assert row["pre"] == pytest.approx(row["ttft"] - row["queue"] - row["prefill"], abs=0.02)
+    # Who the saving went to: the 154 requests that loaded, and the rest, which waited on
+    # shorter steps (session 24: most of the saving at this size).
+    sp = on["spread"]
+    assert sp["requests"] == 526 and sp["loaders"] == 154 and sp["loaded_tokens"] > 0
+    total = sp["loaders_saved_s"] + sp["others_saved_s"]
+    assert sp["others_share"] == pytest.approx(sp["others_saved_s"] / total, abs=1e-3)
+    assert sp["others_saved_s"] > sp["loaders_saved_s"] > 0
+    assert "spread" not in base
     table = latency_parts.markdown(rows)
     assert table.splitlines()[0].startswith("| run | queue | prefill | ttft | pre | base |")
+    assert table.splitlines()[0].endswith("| saved by others s | others' share |")
     assert "| qwen3-32b-chat-graphs-cpu64k | 23.3 | 187.5 |" in table
+    assert "| 154 of 526 |" in table
+
+
+def _req(i: int, ttft: float, cached: int, status: int = 200) -> dict[str, object]:
+    return {"i": i, "ttft_s": ttft, "cached_tokens": cached, "status": status}
+
+
+def test_the_saving_splits_between_the_requests_that_loaded_and_the_rest() -> None:
+    base = [_req(0, 1.0, 0), _req(1, 0.5, 256), _req(2, 0.4, 0), _req(3, 9.0, 0)]
+    offload = [
+        _req(0, 0.4, 512),  # loaded 512 tokens more: saved 0.6 s
+        _req(1, 0.3, 256),  # the same hits as without offload: shorter waits, 0.2 s
+        _req(2, 0.5, 0),  # slower by 0.1 s
+        _req(3, 1.0, 0, status=500),  # failed with offload: not matched
+        _req(4, 1.0, 0),  # not in the run without offload
+    ]
+    sp = latency_parts.spread(base, offload)
+    assert sp == {
+        "requests": 3.0,
+        "loaders": 1.0,
+        "loaded_tokens": 512.0,
+        "loaders_saved_s": pytest.approx(0.6),
+        "others_saved_s": pytest.approx(0.1),
+        "others_share": pytest.approx(0.1 / 0.7, abs=1e-4),
+    }
+    # Offload cost: no share of a saving to speak of.
+    slower = [_req(0, 1.1, 512), _req(1, 0.6, 256), _req(2, 0.4, 0)]
+    assert latency_parts.spread(base, slower)["others_share"] is None  # type: ignore[index]
+    assert latency_parts.spread(base, []) is None
 
 
 def test_a_recording_without_a_finished_request_has_no_parts(tmp_path: Path) -> None:

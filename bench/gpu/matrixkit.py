@@ -903,6 +903,15 @@ def _ok(records: Iterable[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
     }
 
 
+def matched_requests(
+    base: Iterable[Mapping[str, Any]], offload: Iterable[Mapping[str, Any]]
+) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    """The requests both runs completed, paired by position i (the prompts are identical by
+    construction), as paired_truth sums them."""
+    a, b = _ok(base), _ok(offload)
+    return [(a[i], b[i]) for i in sorted(set(a) & set(b))]
+
+
 def run_totals(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ok = list(_ok(records).values())
     if not ok:
