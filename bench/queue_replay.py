@@ -14,8 +14,10 @@ arrival order explains that. Per offload run and its run without offload (matrix
 - its arrival is its first token's time less the mean TTFT of the requests whose first token
   came in the same second: what vLLM's TTFT histogram tells a 1 s scrape, no per-request
   time (requests.jsonl holds them; the exporter would not);
-- `c1` is set (bisection, `c0` given) so that the replay's summed TTFT is the one measured
-  without offload;
+- `c1` is set (bisection) so that the replay's summed TTFT is the one measured without
+  offload, for each `c0` of a grid (0-80 ms), and the `c0` kept is the one whose replay
+  matches the TTFT measured in each second best (least squares over the seconds: the summed
+  TTFT alone does not tell a request's cost from a token's); `--c0-ms` fixes it instead;
 - the same arrivals are replayed with the tokens the offload run computed (its cached tokens
   where they exceed the run without offload's), and the difference is the gross saving: what
   the hits save their own requests and every request behind them, before any cost of a load
@@ -45,16 +47,28 @@ import matrixkit  # type: ignore[import-not-found]  # bench/gpu holds scripts, n
 _C1_MAX = 2e-3
 
 
-def replay(arrivals: Sequence[float], tokens: Sequence[float], c0: float, c1: float) -> float:
-    """Summed time from arrival to service end of requests served one at a time in arrival
-    order (ties in the given order), each for c0 + c1 x its tokens."""
+# The per-request costs tried (seconds): from none to a 32B prefill's worth.
+C0_GRID = (0.0, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08)
+
+
+def replay_each(
+    arrivals: Sequence[float], tokens: Sequence[float], c0: float, c1: float
+) -> list[float]:
+    """Per request (in the given order), the time from its arrival to its service's end when
+    requests are served one at a time in arrival order (ties in the given order), each for
+    c0 + c1 x its tokens."""
     free = float("-inf")
-    total = 0.0
+    out = [0.0] * len(arrivals)
     for k in sorted(range(len(arrivals)), key=lambda k: arrivals[k]):
         start = max(arrivals[k], free)
         free = start + c0 + c1 * tokens[k]
-        total += free - arrivals[k]
-    return total
+        out[k] = free - arrivals[k]
+    return out
+
+
+def replay(arrivals: Sequence[float], tokens: Sequence[float], c0: float, c1: float) -> float:
+    """The summed time of `replay_each`."""
+    return sum(replay_each(arrivals, tokens, c0, c1))
 
 
 def arrivals_from_interval_means(
@@ -92,10 +106,45 @@ def fit_c1(
     return (lo + hi) / 2
 
 
+def fit_service(
+    arrivals: Sequence[float],
+    tokens: Sequence[float],
+    first_tokens: Sequence[float],
+    ttfts: Sequence[float],
+    interval_s: float = 1.0,
+    grid: Sequence[float] = C0_GRID,
+) -> tuple[float, float] | None:
+    """(c0, c1): of the grid's c0, each with the c1 that gives the summed TTFT, the one whose
+    replay puts the TTFT measured in each interval (by first token) best; None when no c0
+    fits."""
+    if not first_tokens:
+        return None
+    t0 = min(first_tokens)
+    keys = [int((t - t0) // interval_s) for t in first_tokens]
+    measured: dict[int, float] = {}
+    for key, ttft in zip(keys, ttfts, strict=True):
+        measured[key] = measured.get(key, 0.0) + ttft
+    best: tuple[float, float, float] | None = None
+    for c0 in grid:
+        c1 = fit_c1(arrivals, tokens, c0, sum(ttfts))
+        if c1 is None:
+            continue
+        replayed: dict[int, float] = {}
+        for key, t in zip(keys, replay_each(arrivals, tokens, c0, c1), strict=True):
+            replayed[key] = replayed.get(key, 0.0) + t
+        err = sum((replayed[k] - v) ** 2 for k, v in measured.items())
+        if best is None or err < best[0]:
+            best = (err, c0, c1)
+    return (best[1], best[2]) if best is not None else None
+
+
 def pair(
-    base: Sequence[Mapping[str, Any]], offload: Sequence[Mapping[str, Any]], c0: float
+    base: Sequence[Mapping[str, Any]],
+    offload: Sequence[Mapping[str, Any]],
+    c0: float | None = None,
 ) -> dict[str, float | None] | None:
-    """The queue replay of one pair (module doc): None when no request is matched."""
+    """The queue replay of one pair (module doc; `c0` None: fitted, `fit_service`): None
+    when no request is matched."""
     pairs = matrixkit.matched_requests(base, offload)
     if not pairs:
         return None
@@ -111,9 +160,13 @@ def pair(
     after = [float(max(p - c, 0)) for p, c in zip(prompt, cached_on, strict=True)]
     measured_base = sum(ttfts)
     measured_on = sum(float(b["ttft_s"]) for _, b in pairs)
-    c1 = fit_c1(arrivals, before, c0, measured_base)
+    if c0 is None:
+        fitted = fit_service(arrivals, before, first, ttfts)
+        c0, c1 = fitted if fitted is not None else (None, None)
+    else:
+        c1 = fit_c1(arrivals, before, c0, measured_base)
     gross = hits = None
-    if c1 is not None:
+    if c0 is not None and c1 is not None:
         gross = replay(arrivals, before, c0, c1) - replay(arrivals, after, c0, c1)
         hits = c1 * (sum(before) - sum(after))
     return {
@@ -128,7 +181,7 @@ def pair(
 
 
 def table(
-    root: Path = MATRIX, names: Sequence[str] = (), c0: float = 0.0
+    root: Path = MATRIX, names: Sequence[str] = (), c0: float | None = None
 ) -> dict[str, dict[str, Any] | None]:
     """Per offload run under `root` (or `names`) with a run without offload: `pair`."""
     metas = {m.parent.name: json.loads(m.read_text()) for m in sorted(root.glob("*/meta.json"))}
@@ -149,15 +202,16 @@ def markdown(rows: Mapping[str, Mapping[str, Any] | None]) -> str:
     def num(v: Any, fmt: str) -> str:
         return fmt.format(v) if isinstance(v, int | float) else "-"
 
-    header = ["run", "base", "c1 us", "hits alone s", "queue replay s", "measured s"]
+    header = ["run", "base", "c0 ms", "c1 us", "hits alone s", "queue replay s", "measured s"]
     body = []
     for name, row in rows.items():
         r = row or {}
-        c1 = r.get("c1_s")
+        c0, c1 = r.get("c0_s"), r.get("c1_s")
         body.append(
             [
                 name,
                 r.get("base", "-"),
+                num(c0 * 1e3 if c0 is not None else None, "{:.0f}"),
                 num(c1 * 1e6 if c1 is not None else None, "{:.1f}"),
                 num(r.get("hits_alone_s"), "{:.2f}"),
                 num(r.get("queue_replay_saved_s"), "{:.2f}"),
@@ -173,10 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("root", nargs="?", type=Path, default=MATRIX)
     ap.add_argument("runs", nargs="*", help="offload recordings under ROOT (default: all)")
-    ap.add_argument("--c0-ms", type=float, default=0.0, help="service per request (ms)")
+    ap.add_argument(
+        "--c0-ms", type=float, default=None, help="service per request (ms; default: fitted)"
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    rows = table(a.root, a.runs, a.c0_ms / 1e3)
+    rows = table(a.root, a.runs, a.c0_ms / 1e3 if a.c0_ms is not None else None)
     print(json.dumps(rows, indent=1) if a.json else markdown(rows))
     return 0
 

@@ -41,6 +41,20 @@ def test_the_per_token_service_is_found_from_the_summed_ttft() -> None:
     assert queue_replay.fit_c1(arrivals, tokens, 0.02, 1e3) is None
 
 
+def test_a_request_s_cost_is_told_from_a_token_s_by_each_second() -> None:
+    # Requests of mixed sizes, some queued: what c0 = 30 ms, c1 = 100 us gives each second.
+    arrivals = [0.1 * k + (0.05 if k % 3 else 0.0) for k in range(60)]
+    tokens = [float(200 + 700 * (k % 4)) for k in range(60)]
+    ttfts = queue_replay.replay_each(arrivals, tokens, 0.03, 1e-4)
+    firsts = [a + t for a, t in zip(arrivals, ttfts, strict=True)]
+    c0, c1 = queue_replay.fit_service(arrivals, tokens, firsts, ttfts) or (None, None)
+    assert c0 == 0.03 and c1 == pytest.approx(1e-4, rel=1e-6)
+    # Any c0 of the grid matches the sum; only the right one matches every second.
+    other = queue_replay.fit_c1(arrivals, tokens, 0.0, sum(ttfts))
+    assert other is not None and other > 1e-4
+    assert queue_replay.fit_service([], [], [], []) is None
+
+
 def test_arrivals_come_from_the_mean_ttft_of_each_interval() -> None:
     firsts = [10.2, 10.7, 11.5]
     ttfts = [0.2, 0.4, 1.0]
@@ -63,7 +77,7 @@ def test_a_pair_of_the_matrix_is_replayed(tmp_path: Path) -> None:
     assert row["measured_saved_s"] > 0
     table = queue_replay.markdown(rows)
     assert table.splitlines()[0] == (
-        "| run | base | c1 us | hits alone s | queue replay s | measured s |"
+        "| run | base | c0 ms | c1 us | hits alone s | queue replay s | measured s |"
     )
     with pytest.raises(SystemExit, match="no recording named nope"):
         queue_replay.table(tmp_path, ["nope"])
@@ -74,6 +88,9 @@ def test_the_command_prints_json_or_a_table(capsys: pytest.CaptureFixture[str]) 
     assert queue_replay.main([str(MATRIX), run, "--c0-ms", "20", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert list(rows) == [run] and rows[run]["c0_s"] == pytest.approx(0.02)
+    # Without --c0-ms it is fitted, from the grid.
+    assert queue_replay.main([str(MATRIX), run, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[run]["c0_s"] in queue_replay.C0_GRID
     assert queue_replay.main([str(MATRIX), run]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 3 and out[2].startswith(f"| {run} | qwen3-32b-chat-graphs-none-ctl |")
