@@ -1,10 +1,15 @@
-"""Shared benchmark plumbing: repeated timing with medians, printed as a table."""
+"""Shared benchmark plumbing: repeated timing with medians, printed as a table; the
+recordings and command line the matrix tools share."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 
 def measure(fn: Callable[[], object], repeats: int, inner: int = 1) -> list[float]:
@@ -48,3 +53,24 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def recording_metas(root: Path, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Every recording's meta.json under `root` by folder name (the matrix's layout); exits
+    with a message naming any of `names` not there."""
+    metas = {m.parent.name: json.loads(m.read_text()) for m in sorted(root.glob("*/meta.json"))}
+    unknown = [n for n in names if n not in metas]
+    if unknown:
+        raise SystemExit(f"no recording named {', '.join(unknown)} under {root}")
+    return metas
+
+
+def recordings_parser(doc: str | None, root: Path, runs_help: str) -> argparse.ArgumentParser:
+    """The command line the matrix tools share: [ROOT] [RUN ...] [--json]."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("root", nargs="?", type=Path, default=root)
+    ap.add_argument("runs", nargs="*", help=runs_help)
+    ap.add_argument("--json", action="store_true")
+    return ap

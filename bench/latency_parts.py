@@ -22,7 +22,6 @@ per session (sessions 22-24) come from here.
 
 from __future__ import annotations
 
-import argparse
 import json
 import lzma
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.advice_eval import MATRIX
-from bench.common import markdown_table
+from bench.common import markdown_table, recording_metas, recordings_parser
 from exporter import expfmt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
@@ -130,10 +129,7 @@ def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str,
     """Per recording (every one under `root`, or `names`): "ms", its parts in milliseconds;
     per offload run also "base" (its run without offload), "base_ms", "change_ms" and
     "spread" (who the saving went to, `spread`)."""
-    metas = {m.parent.name: json.loads(m.read_text()) for m in sorted(root.glob("*/meta.json"))}
-    unknown = [n for n in names if n not in metas]
-    if unknown:
-        raise SystemExit(f"no recording named {', '.join(unknown)} under {root}")
+    metas = recording_metas(root, names)
     parts: dict[str, dict[str, float] | None] = {}
 
     def of(name: str) -> dict[str, float] | None:
@@ -197,12 +193,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("root", nargs="?", type=Path, default=MATRIX)
-    ap.add_argument("runs", nargs="*", help="recordings under ROOT (default: all)")
-    ap.add_argument("--json", action="store_true")
+    ap = recordings_parser(__doc__, MATRIX, "recordings under ROOT (default: all)")
     a = ap.parse_args(argv)
     rows = table(a.root, a.runs)
     print(json.dumps(rows, indent=1) if a.json else markdown(rows))

@@ -29,7 +29,6 @@ and the summed TTFT the pair measured. A research tool: nothing in the exporter 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.advice_eval import MATRIX
-from bench.common import markdown_table
+from bench.common import markdown_table, recording_metas, recordings_parser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import matrixkit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
@@ -184,10 +183,7 @@ def table(
     root: Path = MATRIX, names: Sequence[str] = (), c0: float | None = None
 ) -> dict[str, dict[str, Any] | None]:
     """Per offload run under `root` (or `names`) with a run without offload: `pair`."""
-    metas = {m.parent.name: json.loads(m.read_text()) for m in sorted(root.glob("*/meta.json"))}
-    unknown = [n for n in names if n not in metas]
-    if unknown:
-        raise SystemExit(f"no recording named {', '.join(unknown)} under {root}")
+    metas = recording_metas(root, names)
     out: dict[str, dict[str, Any] | None] = {}
     for name in names or sorted(metas):
         base = matrixkit.base_run(metas, name) if metas[name].get("offload") else None
@@ -222,15 +218,10 @@ def markdown(rows: Mapping[str, Mapping[str, Any] | None]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("root", nargs="?", type=Path, default=MATRIX)
-    ap.add_argument("runs", nargs="*", help="offload recordings under ROOT (default: all)")
+    ap = recordings_parser(__doc__, MATRIX, "offload recordings under ROOT (default: all)")
     ap.add_argument(
         "--c0-ms", type=float, default=None, help="service per request (ms; default: fitted)"
     )
-    ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     rows = table(a.root, a.runs, a.c0_ms / 1e3 if a.c0_ms is not None else None)
     print(json.dumps(rows, indent=1) if a.json else markdown(rows))
