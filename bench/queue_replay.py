@@ -182,12 +182,17 @@ def pair(
 def table(
     root: Path = MATRIX, names: Sequence[str] = (), c0: float | None = None
 ) -> dict[str, dict[str, Any] | None]:
-    """Per offload run under `root` (or `names`) with a run without offload: `pair`."""
+    """Per offload run under `root` (or `names`) with a run without offload: `pair`. A name
+    given that has none to pair with is an error, not a silent omission."""
     metas = recording_metas(root, names)
     out: dict[str, dict[str, Any] | None] = {}
     for name in names or sorted(metas):
         base = matrixkit.base_run(metas, name) if metas[name].get("offload") else None
         if base is None:
+            if names:
+                raise SystemExit(
+                    f"{name} has no run without offload to replay against (name offload runs)"
+                )
             continue
         row = pair(matrixkit.load_requests(root / base), matrixkit.load_requests(root / name), c0)
         out[name] = {"base": base, **row} if row is not None else None

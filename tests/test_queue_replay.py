@@ -81,6 +81,8 @@ def test_a_pair_of_the_matrix_is_replayed(tmp_path: Path) -> None:
     )
     with pytest.raises(SystemExit, match="no recording named nope"):
         queue_replay.table(tmp_path, ["nope"])
+    with pytest.raises(SystemExit, match="qwen3-32b-chat-graphs-none has no run without"):
+        queue_replay.table(tmp_path, ["qwen3-32b-chat-graphs-none"])
 
 
 def test_the_command_prints_json_or_a_table(capsys: pytest.CaptureFixture[str]) -> None:
