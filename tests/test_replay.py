@@ -191,6 +191,33 @@ def test_a_folder_of_recordings_replays_each(tmp_path: Path, capsys) -> None:
     assert "a: 25 scrapes" in text and "b: 25 scrapes" in text
 
 
+def test_without_kv_events_a_cache_that_turned_over_is_a_question_not_nothing_to_catch(
+    tmp_path: Path,
+) -> None:
+    """32B multi-turn chat without offload, recorded without its KV events (vLLM publishes
+    them only when asked): every request finishes at once, so the usage gauge reads 0 at the
+    last scrape, yet the window computed many times what the GPU cache holds. The events
+    are what tell whether those evicted prefixes come back (on this sequence they do, and
+    offload paid), so the advice asks for them instead of saying there is nothing to catch."""
+    run = MATRIX / "qwen3-32b-chat-none"
+    rec = tmp_path / "no-events"
+    rec.mkdir()
+    for name in ("metrics.jsonl.xz", "meta.json"):
+        shutil.copy(run / name, rec / name)
+    r = replay_one(rec, Config())
+    (engine,) = r.final.targets[0].engines
+    a = engine.advice
+    assert (a.action, a.reason) == (Action.INSUFFICIENT_DATA, "kv_events_off")
+    n = a.numbers
+    assert n["kv_cache_usage_ratio"] == 0.0 and n["gpu_cache_turnover"] is not None
+    last = read_scrapes(rec)[-1].body
+    (capacity,) = (float(v) for v in re.findall(r'kv_cache_size_tokens="(\d+)"', last))
+    computed = n["prompt_tokens"] * (1.0 - n["gpu_prefix_hit_ratio"])  # offload off
+    assert n["gpu_cache_turnover"] == pytest.approx(computed / capacity)
+    assert n["gpu_cache_turnover"] > 1.0
+    assert f"{n['gpu_cache_turnover']:.1f} times" in a.explanation
+
+
 def test_bad_recordings_are_clear_errors(tmp_path: Path, capsys) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

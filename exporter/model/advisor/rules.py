@@ -112,6 +112,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         "window_covered_seconds": inp.covered_seconds,
         "prompt_tokens": prompt,
         "kv_cache_usage_ratio": d.kv_usage,
+        "gpu_cache_turnover": d.gpu_cache_turnover,
         "gpu_prefix_hit_ratio": d.gpu_prefix_hit_ratio,
         "offload_hit_ratio": d.offload_hit_ratio,
         "offload_reuse_ratio": d.reuse_ratio,
@@ -772,25 +773,40 @@ def _evaluate_off(  # noqa: PLR0911, PLR0912  a decision list: rule order is the
     d = inp.derived
     w = d.window
     prompt = w.get("prompt_tokens") or 0.0
-    pressure = (d.kv_usage is not None and d.kv_usage >= th.kv_usage_high) or (
-        w.get("preemptions", 0.0) > 0
+    turnover = d.gpu_cache_turnover
+    # A window that computed more than the GPU cache holds evicted cached prefixes, whatever
+    # the usage gauge read at the last scrape (engines.gpu_cache_turnover).
+    turned_over = turnover is not None and turnover > 1.0
+    pressure = (
+        (d.kv_usage is not None and d.kv_usage >= th.kv_usage_high)
+        or w.get("preemptions", 0.0) > 0
+        or turned_over
     )
     whatif = inp.whatif
     if whatif is None:
+        cache = (
+            f"the window computed {turnover:.1f} times the prompt tokens the GPU KV cache holds"
+            if turnover is not None
+            else "the GPU KV cache's size is unknown"
+        )
         if pressure:
             return advice(
                 Action.INSUFFICIENT_DATA,
                 Reason.KV_EVENTS_OFF,
                 f"GPU KV cache is under pressure (usage {pct(d.kv_usage)}, "
-                f"{w.get('preemptions', 0):.0f} preemptions) but without KV cache events the "
-                "exporter cannot tell whether evicted prefixes come back. Enable "
+                f"{w.get('preemptions', 0):.0f} preemptions; {cache}) but without KV cache "
+                "events the exporter cannot tell whether evicted prefixes come back. Enable "
                 "--kv-events-config and point it at the exporter.",
             )
         return advice(
             Action.NO_ACTION,
             Reason.NO_KV_PRESSURE,
-            f"GPU KV cache usage is {pct(d.kv_usage)} with no preemptions: "
-            "offload would have nothing to catch.",
+            f"GPU KV cache usage is {pct(d.kv_usage)} with no preemptions and {cache}: "
+            + (
+                "nothing was evicted, so offload would have nothing to catch."
+                if turnover is not None
+                else "offload would have nothing to catch."
+            ),
         )
     share = whatif.recomputed_after_eviction_tokens / prompt if prompt else 0.0
     numbers_share = f"{pct(share)} of prompt tokens"

@@ -241,10 +241,13 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
         ),
         Reason.KV_EVENTS_OFF: ReasonInfo(
             Action.INSUFFICIENT_DATA,
-            "GPU KV cache under pressure, but without KV cache events reuse cannot be judged",
+            "GPU KV cache under pressure (usage, preemptions or more computed than it holds), "
+            "but without KV cache events reuse cannot be judged",
         ),
         Reason.NO_KV_PRESSURE: ReasonInfo(
-            Action.NO_ACTION, "GPU KV cache usage is low and nothing is preempted"
+            Action.NO_ACTION,
+            "GPU KV cache usage is low, nothing is preempted and the window computed less than "
+            "the cache holds",
         ),
         Reason.NO_RECOMPUTE_AFTER_EVICTION: ReasonInfo(
             Action.NO_ACTION,
@@ -295,6 +298,12 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
         ),
         "kv_cache_usage_ratio": NumberInfo(
             "GPU KV cache usage", "ratio", "vLLM's GPU KV cache usage at the last scrape"
+        ),
+        "gpu_cache_turnover": NumberInfo(
+            "GPU KV cache turnover",
+            "x",
+            "prompt tokens the GPU computed in the window over the tokens its KV cache holds "
+            "(above 1: cached prefixes were evicted)",
         ),
         "gpu_prefix_hit_ratio": NumberInfo(
             "GPU prefix hit ratio", "ratio", "prompt tokens found in the GPU prefix cache"

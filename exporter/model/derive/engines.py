@@ -115,6 +115,9 @@ class EngineDerived:
     # window's): a restart empties the tier and the counter alike.
     offload_stored_bytes: float | None = None
     computed_token_floor: float | None = None  # seconds (DeriveSettings)
+    # Tokens the GPU computed over the window, in GPU KV caches' worth (gpu_cache_turnover);
+    # None where vLLM says neither the cache's size nor how many prompt tokens it computed.
+    gpu_cache_turnover: float | None = None
 
     @property
     def tier_filling(self) -> bool:
@@ -376,12 +379,13 @@ def derive_engine(
         # near-collinear intervals can give any slope, and a false "enable" costs memory.
         speedup_lower = transfer * max(fit.seconds_per_token - 2 * fit.stderr, 0.0)
 
+    capacity = _float((cc or {}).get("kv_cache_size_tokens"))
     return EngineDerived(
         key=ek,
         fresh=fresh,
         offload_enabled=enabled,
         offload_buffer_bytes=buffer_bytes,
-        gpu_capacity_tokens=_float((cc or {}).get("kv_cache_size_tokens")),
+        gpu_capacity_tokens=capacity,
         block_size=int(b) if (b := _float((cc or {}).get("block_size"))) else None,
         kv_usage=es.gauges.get("kv_usage") if fresh else None,
         gpu_prefix_hit_ratio=_ratio(sums("prefix_hits", "prefix_queries")),
@@ -412,6 +416,7 @@ def derive_engine(
         load_wait_share=settings.load_wait_share,
         offload_stored_bytes=es.counters.get("store_bytes") if enabled else None,
         computed_token_floor=settings.computed_token_floor,
+        gpu_cache_turnover=gpu_cache_turnover(window, capacity) if fresh else None,
         window=window,
         totals=dict(totals),
         backend=backend_derived(
@@ -430,6 +435,25 @@ def derive_engine(
         ttft_fit_scale=tfit_scale,
         delivered=delivered,
     )
+
+
+def gpu_cache_turnover(window: Mapping[str, float], capacity_tokens: float | None) -> float | None:
+    """Prompt tokens the GPU computed over the window over the tokens its KV cache holds.
+
+    Every block a prefill computes enters the prefix cache, and a block leaves it only when
+    a new one needs its place: above 1 the window computed more than the cache holds, so
+    cached prefixes were evicted whatever the usage gauge read (it counts only the running
+    requests' blocks, 0 between requests). Computed is vLLM's local-compute prompt tokens
+    (0.26+: loaded ones are not computed), or prompt tokens less prefix-cache hits."""
+    if not capacity_tokens or capacity_tokens <= 0:
+        return None
+    computed = window.get("prompt_by_source:local_compute")
+    if computed is None:
+        prompt, hits = window.get("prompt_tokens"), window.get("prefix_hits")
+        if prompt is None or hits is None:
+            return None
+        computed = max(prompt - hits, 0.0)
+    return computed / capacity_tokens
 
 
 def derive_target(

@@ -156,11 +156,26 @@ def test_enable_respects_memory_headroom():
 def test_no_pressure_and_no_events_is_no_action():
     a = evaluate(inp(base(kv_usage=0.3, window={"prompt_tokens": 400_000.0})))
     assert a.action == Action.NO_ACTION and a.reason == "no_kv_pressure"
+    assert "size is unknown" in a.explanation
+    a = evaluate(inp(base(kv_usage=0.3, gpu_cache_turnover=0.6, window={"prompt_tokens": 4e5})))
+    assert a.action == Action.NO_ACTION and a.reason == "no_kv_pressure"
+    assert "0.6 times" in a.explanation and "nothing was evicted" in a.explanation
+    assert a.numbers["gpu_cache_turnover"] == 0.6
 
 
 def test_pressure_without_events_asks_for_kv_events():
     a = evaluate(inp(base()))
     assert a.action == Action.INSUFFICIENT_DATA and a.reason == "kv_events_off"
+
+
+def test_a_cache_that_turned_over_is_pressure_whatever_the_usage_gauge_read():
+    """Requests that finish at once leave the usage gauge at 0 between scrapes (32B chat on
+    the H200: 0 at 138 of 190 scrapes), yet a window that computed more than the cache holds
+    evicted cached prefixes: without events that is a question, not "nothing to catch"."""
+    quiet = {"prompt_tokens": 400_000.0, "preemptions": 0.0}
+    for turnover, want in ((1.5, "kv_events_off"), (1.0, "no_kv_pressure")):
+        d = base(kv_usage=0.0, gpu_cache_turnover=turnover, window=quiet)
+        assert evaluate(inp(d)).reason == want
 
 
 def test_cpu_server_is_honest_that_reload_speed_is_unknown():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.model.derive.engines import DeriveSettings, derive_engine
+from exporter.model.derive.engines import DeriveSettings, derive_engine, gpu_cache_turnover
 from exporter.vllm_metrics import EngineKey
 from tests.conftest import CPU, H200
 from tests.helpers import sample_from, window_of
@@ -86,3 +86,21 @@ def test_ratio_without_denominator_is_absent():
     d = derive_engine(window_of(before, later), H200_EK, 5.0, FRESH)
     assert d is not None
     assert d.gpu_prefix_hit_ratio is None and d.offload_hit_ratio is None
+
+
+def test_gpu_cache_turnover_is_the_window_computed_tokens_over_the_cache_size():
+    before = sample_from(CPU / "metrics-before.prom", 0.0)
+    after = sample_from(CPU / "metrics-after.prom", 5.0)
+    d = derive_engine(window_of(before, after), CPU_EK, 5.0, FRESH)
+    assert d is not None and d.gpu_capacity_tokens == 2560  # 20 blocks of 128 tokens
+    prev = before.engines[CPU_EK].counters
+    now = after.engines[CPU_EK].counters
+    computed = now["prompt_by_source:local_compute"] - prev.get("prompt_by_source:local_compute", 0)
+    assert computed > 2560
+    assert d.gpu_cache_turnover == pytest.approx(computed / 2560)
+    # Without the breakdown by source (vLLM before 0.11): prompt tokens less prefix hits.
+    assert gpu_cache_turnover({"prompt_tokens": 9000.0, "prefix_hits": 1000.0}, 4000.0) == 2.0
+    assert gpu_cache_turnover({"prompt_tokens": 9000.0}, 4000.0) is None
+    assert gpu_cache_turnover({"prompt_by_source:local_compute": 10.0}, None) is None
+    stale = derive_engine(window_of(before, after), CPU_EK, 100.0, FRESH)
+    assert stale is not None and stale.gpu_cache_turnover is None
