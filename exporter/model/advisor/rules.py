@@ -798,15 +798,12 @@ def _evaluate_off(  # noqa: PLR0911, PLR0912  a decision list: rule order is the
                 "events the exporter cannot tell whether evicted prefixes come back. Enable "
                 "--kv-events-config and point it at the exporter.",
             )
+        evicted = f" and {cache}: nothing was evicted, so" if turnover is not None else ":"
         return advice(
             Action.NO_ACTION,
             Reason.NO_KV_PRESSURE,
-            f"GPU KV cache usage is {pct(d.kv_usage)} with no preemptions and {cache}: "
-            + (
-                "nothing was evicted, so offload would have nothing to catch."
-                if turnover is not None
-                else "offload would have nothing to catch."
-            ),
+            f"GPU KV cache usage is {pct(d.kv_usage)} with no preemptions{evicted} offload "
+            "would have nothing to catch.",
         )
     share = whatif.recomputed_after_eviction_tokens / prompt if prompt else 0.0
     numbers_share = f"{pct(share)} of prompt tokens"
