@@ -378,21 +378,57 @@ def evaluate(root: Path = MATRIX, interval: float | None = None) -> list[RunEval
     return evals
 
 
-def _evaluate(root: Path, interval: float) -> list[RunEval]:
-    runs = sorted(p.parent for p in root.glob("*/meta.json"))
-    metas = {r.name: _meta(r) for r in runs}
-    records = {r.name: _requests(r) for r in runs}
-    noise = matrixkit.family_noise(metas, records)
-    truths: dict[tuple[str, str], dict[str, Any]] = {}
+class Truths:
+    """The measured truths of a folder of recordings, each pair's computed once, and the
+    judgement of an action against them (the rules of the module doc)."""
 
-    def truth(base: Path, on: Path) -> dict[str, Any]:
-        if (base.name, on.name) not in truths:
-            truths[base.name, on.name] = matrixkit.family_truth(
-                metas, records, noise, base.name, on.name
+    def __init__(self, root: Path) -> None:
+        self.runs = sorted(p.parent for p in root.glob("*/meta.json"))
+        self.metas = {r.name: _meta(r) for r in self.runs}
+        self._records = {r.name: _requests(r) for r in self.runs}
+        self._noise = matrixkit.family_noise(self.metas, self._records)
+        self._done: dict[tuple[str, str], dict[str, Any]] = {}
+        self._by_name = {r.name: r for r in self.runs}
+
+    def truth(self, base: Path, on: Path) -> dict[str, Any]:
+        """matrixkit.family_truth of one pair (run without offload, offload run)."""
+        if (base.name, on.name) not in self._done:
+            self._done[base.name, on.name] = matrixkit.family_truth(
+                self.metas, self._records, self._noise, base.name, on.name
             )
-        return truths[base.name, on.name]
+        return self._done[base.name, on.name]
 
-    pairs = {r.name: _pairs(runs, metas, r) for r in runs}
+    def pairs(self, run: str) -> dict[float, tuple[Path, Path]]:
+        return _pairs(self.runs, self.metas, self._by_name[run])
+
+    def measured_at(self, run: str) -> dict[float, dict[str, Any]]:
+        """By size, the truth of the run's family on its own machine (`_pairs`)."""
+        return {size: self.truth(b, on) for size, (b, on) in self.pairs(run).items()}
+
+    def elsewhere(
+        self, run: str, measured_at: dict[float, dict[str, Any]]
+    ) -> dict[float, dict[str, Any]]:
+        """By size, the truth of the run's family on other machines (`_elsewhere`)."""
+        found = _elsewhere(self.runs, self.metas, self._by_name[run], measured_at)
+        return {size: self.truth(b, on) for size, (b, on) in found.items()}
+
+    def judge(self, run: str, action: str, recommended: float | None) -> tuple[str, bool, bool]:
+        """(truth at the size the action speaks about, agrees, harmful); truth "unknown"
+        where no run of that size exists."""
+        measured_at = self.measured_at(run)
+        judged_at = _judged_at(action, measured_at, self.elsewhere(run, measured_at))
+        own = _offload_bytes(self.metas[run])
+        about = _about(own, action, recommended, judged_at)
+        t = judged_at.get(about) if about is not None else None
+        verdict = str(t["verdict"]) if t is not None else "unknown"
+        agrees, harmful = _judge(action, verdict, t is not None)
+        return verdict, agrees, harmful
+
+
+def _evaluate(root: Path, interval: float) -> list[RunEval]:
+    truths = Truths(root)
+    runs, metas = truths.runs, truths.metas
+    pairs = {r.name: truths.pairs(r.name) for r in runs}
     without = [r for r in runs if _offload_bytes(metas[r.name]) is None]
     with_ = [r for r in runs if _offload_bytes(metas[r.name]) is not None]
     bases = {r.name: matrixkit.base_run(metas, r.name) for r in with_}
@@ -426,11 +462,8 @@ def _evaluate(root: Path, interval: float) -> list[RunEval]:
         own = _offload_bytes(metas[run.name])
         rp = done[run.name]
         action, rec = rp.action, rp.recommended_buffer_bytes
-        measured_at = {size: truth(base, on) for size, (base, on) in pairs[run.name].items()}
-        elsewhere = {
-            size: truth(base, on)
-            for size, (base, on) in _elsewhere(runs, metas, run, measured_at).items()
-        }
+        measured_at = truths.measured_at(run.name)
+        elsewhere = truths.elsewhere(run.name, measured_at)
         judged_at = _judged_at(action, measured_at, elsewhere)
         about = _about(own, action, rec, judged_at)
         t = judged_at.get(about) if about is not None else None
