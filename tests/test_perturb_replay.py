@@ -41,13 +41,20 @@ def test_events_dropped_leave_the_what_if_fewer_blocks(tmp_path: Path) -> None:
     recomputed (a block it never saw stored is new, not recomputed)."""
     lossy = perturb_replay.perturbed(RUN, tmp_path, KV_EVENTS, 0.3, seed=7)
 
-    def recomputed(rec: Path) -> float:
+    def final(rec: Path):  # type: ignore[no-untyped-def]
         r = replay_one(rec, Config())
         (e,) = (x for t in r.final.targets for x in t.engines)
         assert e.whatif is not None
-        return e.whatif.recomputed_after_eviction_tokens
+        return e
 
-    assert 0 < recomputed(lossy) < recomputed(RUN)
+    lost, whole = final(lossy), final(RUN)
+    seen, all_seen = (e.whatif.recomputed_after_eviction_tokens for e in (lost, whole))
+    assert 0 < seen < all_seen
+    # The sequence numbers tell the what-if what it missed, and the advice says so.
+    assert whole.advice.numbers["kv_event_batches_lost_ratio"] == 0.0
+    assert 0.2 < lost.advice.numbers["kv_event_batches_lost_ratio"] < 0.4
+    assert "KV-event batches were lost" in lost.advice.explanation
+    assert "were lost" not in whole.advice.explanation
 
 
 def test_the_command_judges_each_replay_against_the_measured_truth(capsys) -> None:  # type: ignore[no-untyped-def]

@@ -71,6 +71,29 @@ def _policy_note(inp: AdvisorInput, th: Thresholds, action: Action, reason: Reas
     )
 
 
+# Reasons given before any evidence is weighed: a note on the evidence says nothing there.
+_NO_EVIDENCE_NOTE = frozenset(
+    {Reason.TARGET_STALE, Reason.WINDOW_TOO_SHORT, Reason.TOO_LITTLE_TRAFFIC}
+)
+
+
+def _lost_events_note(inp: AdvisorInput, reason: Reason) -> str:
+    """A sentence saying the what-if missed KV-event batches in the window, if it did.
+
+    Not a threshold: a block whose store was lost can never come back as a hit, so every
+    loss biases the curve down, and the advice built on it towards leaving the tier off or
+    smaller (H200 matrix with 10 % of messages lost: 14B RAG-Zipf left off where 32 GiB
+    paid, 8B long-context sized at 8 GiB instead of 16; bench/perturb_replay.py)."""
+    w = inp.whatif
+    if w is None or w.lost_batch_share <= 0 or reason in _NO_EVIDENCE_NOTE:
+        return ""
+    return (
+        f" {pct(w.lost_batch_share)} of the window's KV-event batches were lost before the "
+        "exporter saw them (kvoffload_kv_events_lost_total): the what-if never saw their "
+        "blocks, so it undercounts what a CPU tier would catch."
+    )
+
+
 # Pinned pools cost more than the flag says: vLLM 0.26 rounds each per-layer tensor up to a
 # power of two (0.5 GiB became 896 MiB on the H200); assume the worst when not measured.
 DEFAULT_POOL_OVERHEAD = 2.0
@@ -142,6 +165,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["whatif_configured_hit_ratio"] = inp.whatif.configured_hit_ratio
         numbers["whatif_requests_per_step"] = inp.whatif.requests_per_step
         numbers["whatif_load_wait_share"] = inp.whatif.load_wait_share
+        numbers["kv_event_batches_lost_ratio"] = inp.whatif.lost_batch_share
     if inp.evidence is not None:
         ev = inp.evidence
         numbers["cpu_tier_dropped_chunks"] = float(ev.dropped_chunks)
@@ -155,7 +179,8 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["offload_pool_bytes"] = inp.memory.pool_bytes
 
     def advice(action: Action, reason: Reason, text: str, rec: float | None = None) -> Advice:
-        return Advice(action, reason, text + _policy_note(inp, th, action, reason), rec, numbers)
+        note = _policy_note(inp, th, action, reason) + _lost_events_note(inp, reason)
+        return Advice(action, reason, text + note, rec, numbers)
 
     best = max(inp.policy_alternatives, key=lambda p: p.hit_ratio, default=None)
     if best is not None:

@@ -406,6 +406,12 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
             "offload off: what a load would keep its request waiting beyond its copy, as a "
             "share of the mean prefill time per request",
         ),
+        "kv_event_batches_lost_ratio": NumberInfo(
+            "KV-event batches lost",
+            "ratio",
+            "of the window's KV-event batches, the share lost before the what-if saw them "
+            "(it then undercounts hits)",
+        ),
         "cpu_tier_dropped_chunks": NumberInfo(
             "chunks the CPU tier dropped", "n", "chunks removed from the CPU tier"
         ),
@@ -467,6 +473,9 @@ class WhatIfState:
     # which prices the stores and the loads' wait; None with offload on (the balance does).
     requests_per_step: float | None = None
     load_wait_share: float | None = None
+    # Of the window's KV-event batches, the share lost before the simulation saw them: their
+    # blocks never stored, so never hits either; the curve undercounts.
+    lost_batch_share: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

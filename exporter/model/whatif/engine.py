@@ -93,6 +93,11 @@ class Bucket:
     configured_hits: float  # at the configured buffer (0 without one)
     hits: tuple[float, ...]  # one per SimConfig.capacities entry at the time
     recomputing_requests: float = 0.0  # requests that recomputed an evicted block
+    # Batches processed, and batches missing before them in the stream's sequence numbers
+    # (lost at the publisher or the exporter's queue, never recovered): steps whose blocks
+    # the simulation never saw.
+    batches: float = 0.0
+    lost_batches: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +150,16 @@ class StreamItemLike(Protocol):
 class _Open:
     """The newest bucket, still being added to."""
 
-    __slots__ = ("configured", "hits", "recomputed", "recomputing", "start", "stored")
+    __slots__ = (
+        "batches",
+        "configured",
+        "hits",
+        "lost",
+        "recomputed",
+        "recomputing",
+        "start",
+        "stored",
+    )
 
     def __init__(self, start: float, width: int) -> None:
         self.start = start
@@ -154,6 +168,8 @@ class _Open:
         self.stored = 0.0
         self.configured = 0.0
         self.hits = [0.0] * width
+        self.batches = 0.0
+        self.lost = 0.0
 
     def bucket(self) -> Bucket:
         return Bucket(
@@ -163,6 +179,8 @@ class _Open:
             self.configured,
             tuple(self.hits),
             self.recomputing,
+            self.batches,
+            self.lost,
         )
 
     def policy_bucket(self) -> PolicyBucket:
@@ -206,6 +224,7 @@ class EngineSim:
         self.configured: VllmCpuTier | None = None
         self.sim_start: float | None = None  # simulated hits are complete from here on
         self.last_ts: float | None = None
+        self.last_seq: int | None = None  # the stream's newest sequence number
         self.batches = 0
         maxlen = max(8, int(settings.history_seconds / settings.bucket_seconds))
         self.buckets: _History[Bucket] = _History(maxlen, _Open.bucket)
@@ -257,6 +276,7 @@ class EngineSim:
 
     def restart(self) -> None:
         self.builder.reset()
+        self.last_seq = None  # a new publisher counts from 0
         cfg, self.config = self.config, None  # everything starts cold, the curve included
         if cfg is not None:
             self.configure(cfg)
@@ -277,6 +297,12 @@ class EngineSim:
         rec0, stored0, reqs0 = st.recomputed_tokens, st.stored_tokens, st.recomputing_requests
         accesses = self.builder.process(msg.batch, msg.seq)
         self.batches += 1
+        # Sequence numbers the stream skipped are batches that never arrived (the source
+        # recovers what vLLM's replay endpoint still holds before passing a batch on, and
+        # announces a new publisher, so a jump here is a loss). Records without a number
+        # carry -1.
+        last, self.last_seq = self.last_seq, msg.seq
+        lost = msg.seq - last - 1 if last is not None and last >= 0 else 0
         ts = msg.batch.ts
         for n, r in self.builder.prefills:
             # Running sums: an interval's sum is a difference of two, not a pass per floor.
@@ -298,6 +324,8 @@ class EngineSim:
         b.recomputing += st.recomputing_requests - reqs0
         b.stored += st.stored_tokens - stored0
         b.configured += conf
+        b.batches += 1
+        b.lost += max(lost, 0)
         for i, h in enumerate(hits[: len(b.hits)]):
             b.hits[i] += h
         if self.policy_sims:

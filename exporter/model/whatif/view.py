@@ -44,6 +44,14 @@ class WhatIfView:
     t1: float = 0.0
     prefill_seconds: float = 0.0  # vLLM's prefill time and prefills over the same span
     prefill_requests: float = 0.0
+    batches: float = 0.0  # KV-event batches simulated, and lost before them (Bucket)
+    lost_batches: float = 0.0
+
+    @property
+    def lost_share(self) -> float:
+        """Of the span's KV-event batches, the share that never arrived."""
+        total = self.batches + self.lost_batches
+        return self.lost_batches / total if total > 0 else 0.0
 
     def loads(self, hits: float) -> float:
         """Loads from a CPU tier serving `hits` tokens: every request that recomputed an
@@ -131,10 +139,13 @@ def window_view(
     conf = 0.0
     recomputed = 0.0
     recomputing = 0.0
+    batches = lost = 0.0
     for b in es.buckets:
         if t0 <= b.start < t1 and len(b.hits) == k:
             recomputed += b.recomputed_tokens
             recomputing += b.recomputing_requests
+            batches += b.batches
+            lost += b.lost_batches
             conf += b.configured_hits
             for i in range(k):
                 hits[i] += b.hits[i]
@@ -150,6 +161,8 @@ def window_view(
         t1,
         span.prefill_seconds,
         span.prefill_requests,
+        batches,
+        lost,
     )
 
 
@@ -421,6 +434,7 @@ def whatif_state(
         conf,
         sharing.requests_per_step if sharing is not None and not on else None,
         wait_share if sharing is not None and not on else None,
+        view.lost_share,
     )
 
 

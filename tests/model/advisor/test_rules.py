@@ -129,6 +129,23 @@ def test_laptop_case_recompute_after_eviction_enables_offload_with_knee_size():
     assert "--kv-offloading-size 0.5" in a.explanation
 
 
+def test_advice_from_a_what_if_that_lost_event_batches_says_so():
+    """Every lost batch can only hide hits, so the advice names the share, whatever it is;
+    no note before the evidence is weighed, nor without losses."""
+    lossy = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0, lost_batch_share=0.1)
+    a = evaluate(inp(base(), whatif=lossy))
+    assert a.action == Action.ENABLE_OFFLOAD and a.numbers["kv_event_batches_lost_ratio"] == 0.1
+    assert a.explanation.endswith(
+        " 10.0% of the window's KV-event batches were lost before the exporter saw them "
+        "(kvoffload_kv_events_lost_total): the what-if never saw their blocks, so it "
+        "undercounts what a CPU tier would catch."
+    )
+    whole = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0)
+    assert "were lost" not in evaluate(inp(base(), whatif=whole)).explanation
+    short = evaluate(replace(inp(base(), whatif=lossy), covered_seconds=1.0))
+    assert short.reason == "window_too_short" and "were lost" not in short.explanation
+
+
 def test_enable_needs_the_predicted_saving_to_be_material():
     """The same curve, priced: with 60 s of summed TTFT over 300 s, a predicted 0.05 s/s is
     25 % of it (enable); 0.002 s/s, loads and stores counted, is 1 % (leave it off)."""

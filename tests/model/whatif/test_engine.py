@@ -189,3 +189,17 @@ def test_policy_whatif_predicts_the_real_arc_and_threshold_runs(
         small_a_events, [blocks], (t0, t1), policy=combo[0], store_threshold=combo[1]
     )
     assert hits == offline
+
+
+def test_batches_missing_from_the_sequence_are_counted_lost_per_bucket() -> None:
+    def at(seq: int, ts: float, h: int) -> Item:
+        payload = [ts, [{"type": "BlockStored", "block_hashes": [h], "block_size": 16}], 0]
+        return Item(0, Message("kv", seq, decode_batch(payload), payload))
+
+    w = WhatIf(WhatIfSettings(bucket_seconds=1.0))
+    w.configure(0, SimConfig((4,), None))
+    # 3 and 4 never arrived; then a new publisher counts from 0 again, which loses nothing.
+    w.step([at(0, 1.0, 1), at(1, 1.2, 2), at(2, 1.4, 3), at(5, 2.1, 4), Item(0, None)])
+    w.step([at(0, 3.0, 5), at(1, 3.1, 6), at(-1, 3.2, 7), at(-1, 3.3, 8)])  # -1: no number
+    got = [(b.start, b.batches, b.lost_batches) for b in w.snapshots()[0].buckets]
+    assert got == [(1.0, 3, 0), (2.0, 1, 2), (3.0, 4, 0)]

@@ -109,6 +109,18 @@ def test_window_view_sums_the_covered_buckets_of_the_current_curve() -> None:
     assert window_view(None, WINDOW, EK) is None
     assert window_view(snapshot(capacities=None), WINDOW, EK) is None
     assert window_view(snapshot(sim_start=None), WINDOW, EK) is None
+    # Lost KV-event batches: of the covered buckets' batches and losses together.
+    lossy = snapshot(
+        buckets=(
+            Bucket(5.0, 1.0, 0.0, 1.0, (1.0, 1.0), batches=9, lost_batches=9),  # not covered
+            Bucket(10.0, 100.0, 0.0, 50.0, (200.0, 400.0), batches=7, lost_batches=1),
+            Bucket(15.0, 60.0, 0.0, 25.0, (100.0, 100.0), batches=11, lost_batches=1),
+        )
+    )
+    view = window_view(lossy, WINDOW, EK)
+    assert view is not None and (view.batches, view.lost_batches) == (18.0, 2.0)
+    assert view.lost_share == pytest.approx(0.1)
+    assert WhatIfView(1.0, 1.0, (), None, 0.0).lost_share == 0.0
 
 
 def test_loads_scale_with_the_share_of_recomputed_prefixes_served() -> None:
