@@ -89,8 +89,8 @@ def _lost_events_note(inp: AdvisorInput, reason: Reason) -> str:
         return ""
     return (
         f" {pct(w.lost_batch_share)} of the window's KV-event batches were lost before the "
-        "exporter saw them (kvoffload_kv_events_lost_total): the what-if never saw their "
-        "blocks, so it undercounts what a CPU tier would catch."
+        "exporter saw them (kvoffload_kv_events_lost_total, _dropped_total): the what-if "
+        "never saw their blocks, so it undercounts what a CPU tier would catch."
     )
 
 

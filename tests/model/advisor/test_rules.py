@@ -137,8 +137,8 @@ def test_advice_from_a_what_if_that_lost_event_batches_says_so():
     assert a.action == Action.ENABLE_OFFLOAD and a.numbers["kv_event_batches_lost_ratio"] == 0.1
     assert a.explanation.endswith(
         " 10.0% of the window's KV-event batches were lost before the exporter saw them "
-        "(kvoffload_kv_events_lost_total): the what-if never saw their blocks, so it "
-        "undercounts what a CPU tier would catch."
+        "(kvoffload_kv_events_lost_total, _dropped_total): the what-if never saw their "
+        "blocks, so it undercounts what a CPU tier would catch."
     )
     whole = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0)
     assert "were lost" not in evaluate(inp(base(), whatif=whole)).explanation
