@@ -412,17 +412,31 @@ class Truths:
         found = _elsewhere(self.runs, self.metas, self._by_name[run], measured_at)
         return {size: self.truth(b, on) for size, (b, on) in found.items()}
 
+    def judged(self, run: str, action: str, recommended: float | None) -> Judged:
+        """Where the action of `run` is judged: its own machine's truths, those elsewhere,
+        the size it speaks about and the truth there (the rules of the module doc)."""
+        measured_at = self.measured_at(run)
+        elsewhere = self.elsewhere(run, measured_at)
+        judged_at = _judged_at(action, measured_at, elsewhere)
+        about = _about(_offload_bytes(self.metas[run]), action, recommended, judged_at)
+        t = judged_at.get(about) if about is not None else None
+        return Judged(measured_at, elsewhere, about, t)
+
     def judge(self, run: str, action: str, recommended: float | None) -> tuple[str, bool, bool]:
         """(truth at the size the action speaks about, agrees, harmful); truth "unknown"
         where no run of that size exists."""
-        measured_at = self.measured_at(run)
-        judged_at = _judged_at(action, measured_at, self.elsewhere(run, measured_at))
-        own = _offload_bytes(self.metas[run])
-        about = _about(own, action, recommended, judged_at)
-        t = judged_at.get(about) if about is not None else None
+        t = self.judged(run, action, recommended).truth
         verdict = str(t["verdict"]) if t is not None else "unknown"
         agrees, harmful = _judge(action, verdict, t is not None)
         return verdict, agrees, harmful
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    measured_at: dict[float, dict[str, Any]]  # by size, the family's truths on its machine
+    elsewhere: dict[float, dict[str, Any]]  # and on other machines (`_elsewhere`)
+    about: float | None  # the size the action speaks about
+    truth: dict[str, Any] | None  # the truth there (None: no run of that size)
 
 
 def _evaluate(root: Path, interval: float) -> list[RunEval]:
@@ -462,11 +476,8 @@ def _evaluate(root: Path, interval: float) -> list[RunEval]:
         own = _offload_bytes(metas[run.name])
         rp = done[run.name]
         action, rec = rp.action, rp.recommended_buffer_bytes
-        measured_at = truths.measured_at(run.name)
-        elsewhere = truths.elsewhere(run.name, measured_at)
-        judged_at = _judged_at(action, measured_at, elsewhere)
-        about = _about(own, action, rec, judged_at)
-        t = judged_at.get(about) if about is not None else None
+        j = truths.judged(run.name, action, rec)
+        measured_at, elsewhere, about, t = j.measured_at, j.elsewhere, j.about, j.truth
         verdict = str(t["verdict"]) if t is not None else "unknown"
         verdict_3pct = str(t["verdict_3pct"]) if t is not None else "unknown"
         measured = t.get("ttft_saved_s_per_s") if t is not None else None

@@ -34,17 +34,11 @@ from pathlib import Path
 from bench.advice_eval import MATRIX, Truths
 from bench.common import markdown_table, recording_metas, recordings_parser
 from exporter.config import Config
-from exporter.recording import KV_EVENTS, METRICS
+from exporter.recording import KV_EVENTS, METRICS, open_text
 from exporter.replay import replay_one
 
 # The perturbations, in the order of the table: the baseline first.
 MODES = ("as recorded", "scrapes dropped", "events dropped")
-
-
-def _lines(path: Path) -> list[str]:
-    opener = lzma.open if path.suffix == ".xz" else open
-    with opener(path, "rt") as f:
-        return f.read().splitlines()
 
 
 def perturbed(src: Path, dest: Path, drop: str | None, share: float, seed: int) -> Path:
@@ -56,7 +50,10 @@ def perturbed(src: Path, dest: Path, drop: str | None, share: float, seed: int) 
     rnd = random.Random(seed)
     for f in sorted(src.iterdir()):
         if drop is not None and f.name in (drop, f"{drop}.xz"):
-            kept = [line for line in _lines(f) if line and rnd.random() >= share]
+            with open_text(f) as lines:
+                kept = [
+                    line for line in lines.read().splitlines() if line and rnd.random() >= share
+                ]
             with lzma.open(out / f"{drop}.xz", "wt") as o:
                 o.write("".join(f"{line}\n" for line in kept))
         elif f.is_file():

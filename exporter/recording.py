@@ -64,7 +64,8 @@ def _find(directory: Path, name: str) -> Path | None:
     return None
 
 
-def _open_text(path: Path) -> IO[str]:
+def open_text(path: Path) -> IO[str]:
+    """A recording file for reading as text, xz-compressed or plain."""
     if path.suffix == ".xz":
         return lzma.open(path, "rt", encoding="utf-8")
     return path.open(encoding="utf-8")
@@ -135,7 +136,7 @@ def read_scrapes(directory: Path) -> list[Scrape]:
         raise RecordingError(f"{directory}: no {METRICS} or {METRICS}.xz")
     out: list[Scrape] = []
     try:
-        with _open_text(path) as fh:
+        with open_text(path) as fh:
             for number, line in enumerate(fh, start=1):
                 if not line.strip():
                     continue
@@ -166,7 +167,7 @@ def read_kv_events(directory: Path, stats: ReadStats | None = None) -> Iterator[
     if path is None:
         return
     try:
-        with _open_text(path) as fh:
+        with open_text(path) as fh:
             yield from read_records(fh, stats)
     except (OSError, EOFError, lzma.LZMAError) as exc:
         raise RecordingError(f"{path}: {exc}") from None
