@@ -621,9 +621,9 @@ def test_matrix_scenarios_are_data() -> None:
     assert len(matrix) == 45 + 6 and len(held_out) == 6
     # graphs.json: the same workloads as vLLM serves by default (CUDA graphs), its own pair
     # family, so that its runs are never compared with the matrix's eager ones.
-    # Session 22: six recorded; session 23: two closing their loop and 32B chat's pair, whose
-    # loop (32 GiB, beside a control) is the next batch.
-    assert len(graphs) == 12
+    # Session 22: six recorded; session 23: two closing their loop and 32B chat's pair;
+    # session 24 its 32 GiB loop; 8B and 0.6B unique (batch 21, what hides a store) wait.
+    assert len(graphs) == 16
     for n in graphs:
         sc = SCENARIOS[n]
         eager = SCENARIOS[f"{sc.shape.name}-{sc.workload.name}-none"]
@@ -1065,15 +1065,23 @@ def test_matrix_finalize_collect_unpack_truth(tmp_path: Path) -> None:
         (d / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _recs([ttft] * 4)))
         (d / "server.log").write_text("\n".join(f"line {k}" for k in range(400)))
         (d / "meta.json").write_text(json.dumps({"pair": "s-w", "offload": off, "vllm_argv": []}))
+        sampled = off is not None  # a run recorded before batch 21 has no GPU samples
+        if sampled:
+            (d / "gpu.jsonl").write_text(json.dumps({"t": 1.0, "gpu_util": 0.97}) + "\n")
         assert matrix.main(["finalize", "--dir", str(d)]) == 0
-        assert sorted(p.name for p in d.iterdir()) == [
-            "FINAL",
-            "kv_events.jsonl.xz",
-            "meta.json",
-            "metrics.jsonl.xz",
-            "requests.jsonl.xz",
-            "server_log.txt",
-        ]
+        assert sorted(p.name for p in d.iterdir()) == sorted(
+            [
+                "FINAL",
+                "kv_events.jsonl.xz",
+                "meta.json",
+                "metrics.jsonl.xz",
+                "requests.jsonl.xz",
+                "server_log.txt",
+                *(["gpu.jsonl.xz"] if sampled else []),
+            ]
+        )
+        meta = json.loads((d / "meta.json").read_text())
+        assert ("gpu" in meta["lines"]) == sampled
         with lzma.open(d / "metrics.jsonl.xz", "rt") as fh:
             assert [json.loads(x) for x in fh] == [{"t": 1.0, "body": "a 1\n"}]
     (work / "DONE").write_text("done\n")
@@ -1088,10 +1096,76 @@ def test_matrix_finalize_collect_unpack_truth(tmp_path: Path) -> None:
     dest = tmp_path / "fixtures"
     assert matrix.main(["unpack", *map(str, tars), "--dest", str(dest)]) == 0
     assert not (dest / "s-w-none" / "FINAL").exists()
+    with lzma.open(dest / "s-w-cpu1k" / "gpu.jsonl.xz", "rt") as fh:
+        assert [json.loads(x) for x in fh] == [{"t": 1.0, "gpu_util": 0.97}]
     table = matrix.truth_table(dest)
     assert table["pairs"]["s-w-cpu1k"]["verdict"] == "pays"
     assert table["pairs"]["s-w-cpu1k"]["base"] == "s-w-none"
     assert table["runs"]["s-w-none"]["summed_ttft_s"] == pytest.approx(0.8)
+
+
+class _Util:
+    gpu, memory = 97, 41
+
+
+class _FakeNvml:
+    """NVML on the H200 as far as recorded: PCIe throughput in KB/s mid-copy of 1 GiB
+    pinned host->device (tests/fixtures/h200/nvml-fieldcounter-poll-probe.json, "h2d");
+    utilisation, clock and power are not recorded there and are plain numbers."""
+
+    NVML_CLOCK_SM = 1
+    NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
+
+    def __init__(self, *, init_error: Exception | None = None) -> None:
+        probe = json.loads((FIXTURES / "h200" / "nvml-fieldcounter-poll-probe.json").read_text())
+        self.tx_rx = probe["h2d"]["mid_thr_KBps"]
+        self.init_error = init_error
+        self.shut = False
+
+    def nvmlInit(self) -> None:
+        if self.init_error is not None:
+            raise self.init_error
+
+    def nvmlShutdown(self) -> None:
+        self.shut = True
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> _Util:
+        return _Util()
+
+    def nvmlDeviceGetClockInfo(self, h: int, kind: int) -> int:
+        return 1980
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        raise RuntimeError("Not Supported")
+
+    def nvmlDeviceGetPcieThroughput(self, h: int, counter: int) -> int:
+        return int(self.tx_rx[counter])
+
+
+def test_gpu_samples_while_a_turn_runs(tmp_path: Path) -> None:
+    """The driver's NVML sampler (batch 21 on): base units and 0..1 ratios, a field NVML
+    refuses left out and named, a stop request ends it, an NVML that cannot start is one
+    error line and no samples (the run is still recorded)."""
+    nv = _FakeNvml()
+    out = tmp_path / "gpu.jsonl"
+    calls = iter(range(10))
+    n = matrix.sample_gpu(out, nv, interval_s=0.0, max_s=60.0, stopped=lambda: next(calls) >= 3)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert n == len(lines) == 3 and nv.shut
+    first = lines[0]
+    assert first["gpu_util"] == 0.97 and first["mem_util"] == 0.41
+    assert first["sm_clock_hz"] == 1.98e9
+    # NVML's "KB" is 1000 bytes: 59.6 GB/s received while 54.7 GB/s of pinned memory moved.
+    assert first["pcie_rx_bytes_per_second"] == pytest.approx(59.58e9, rel=1e-3)
+    assert first["pcie_tx_bytes_per_second"] == pytest.approx(5.19e9, rel=1e-3)
+    assert "power_w" not in first and first["error"] == "power_w: RuntimeError: Not Supported"
+    down = tmp_path / "down.jsonl"
+    assert matrix.sample_gpu(down, _FakeNvml(init_error=OSError("no driver"))) == 0
+    (line,) = down.read_text().splitlines()
+    assert json.loads(line)["error"] == "OSError: no driver"
 
 
 MATRIX = FIXTURES / "gpu" / "matrix"

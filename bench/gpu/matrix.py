@@ -12,6 +12,8 @@ max_inflight requests in flight, recorded as a replayable directory per run:
                         scenario, the GPU, versions, the traffic window, recorder statistics,
                         model_weight_bytes (from vLLM's log)
     server_log.txt      vLLM's log: head, warnings/errors, tail
+    gpu.jsonl.xz        NVML samples of the GPU every 0.25 s while the run's turn lasts
+                        (gpu_sample; since batch 21; analysis only, replay ignores it)
 
 No exporter runs (recordings are replayed offline). Servers of a group start together; their
 turns run one at a time, so no traffic shares the GPU with another run's.
@@ -252,6 +254,97 @@ def nvml_link() -> dict[str, Any]:
     return out
 
 
+# What the GPU did while a run's traffic ran: whether its steps were the GPU's (busy nearly all
+# of an engine's busy time) or the CPU's (kernels launched one by one, the GPU mostly idle), which
+# no vLLM metric says and which decides whether a store's copies hide behind a step
+# (docs/gpu-acceptance.md, "What hides a store"). Not part of the replay format: analysis only.
+GPU_SAMPLE_INTERVAL_S = 0.25
+
+
+def gpu_sample(nv: Any, index: int = 0) -> dict[str, Any]:
+    """One NVML sample of GPU `index`: utilisation (the share of the driver's last sample
+    period with a kernel running, and with device memory being read or written), the SM
+    clock, power, and PCIe throughput (bytes per second over the driver's ~20 ms window,
+    its "KB" being 1000 bytes: exporter/sources/nvml/library.py). A field NVML refuses is
+    left out, with the first such error named once per sample."""
+    h = nv.nvmlDeviceGetHandleByIndex(index)
+    out: dict[str, Any] = {"t": round(time.time(), 3)}
+    errors: list[str] = []
+
+    def get(key: str, fn: Any, scale: float = 1.0) -> None:
+        try:
+            out[key] = round(float(fn()) * scale, 3)
+        except Exception as exc:  # NVML raises its own error per field it refuses
+            errors.append(f"{key}: {type(exc).__name__}: {exc}")
+
+    util: Any = None
+    try:
+        util = nv.nvmlDeviceGetUtilizationRates(h)
+    except Exception as exc:
+        errors.append(f"utilization: {type(exc).__name__}: {exc}")
+    if util is not None:
+        out["gpu_util"] = int(util.gpu) / 100.0
+        out["mem_util"] = int(util.memory) / 100.0
+    get("sm_clock_hz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), 1e6)
+    get("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h), 1e-3)
+    tx, rx = nv.NVML_PCIE_UTIL_TX_BYTES, nv.NVML_PCIE_UTIL_RX_BYTES
+    get("pcie_tx_bytes_per_second", lambda: nv.nvmlDeviceGetPcieThroughput(h, tx), 1e3)
+    get("pcie_rx_bytes_per_second", lambda: nv.nvmlDeviceGetPcieThroughput(h, rx), 1e3)
+    if errors:
+        out["error"] = errors[0]
+    return out
+
+
+def sample_gpu(
+    out: Path,
+    nv: Any,
+    *,
+    interval_s: float = GPU_SAMPLE_INTERVAL_S,
+    max_s: float = 600.0,
+    stopped: Any = None,
+) -> int:
+    """Append one gpu_sample line per interval to `out` until `max_s` have passed or
+    `stopped()` says so (SIGTERM from the driver); the number of lines written. An NVML that
+    cannot start writes one {"t", "error"} line: the run is recorded without samples."""
+    stopped = stopped or (lambda: False)
+    end = time.monotonic() + max_s
+    n = 0
+    with out.open("a", encoding="utf-8") as fh:
+        try:
+            nv.nvmlInit()
+        except Exception as exc:
+            fh.write(
+                json.dumps({"t": round(time.time(), 3), "error": f"{type(exc).__name__}: {exc}"})
+                + "\n"
+            )
+            return 0
+        try:
+            while not stopped() and time.monotonic() < end:
+                t = time.monotonic()
+                fh.write(json.dumps(gpu_sample(nv)) + "\n")
+                fh.flush()
+                n += 1
+                time.sleep(max(0.0, interval_s - (time.monotonic() - t)))
+        finally:
+            with contextlib.suppress(Exception):
+                nv.nvmlShutdown()
+    return n
+
+
+def cmd_gpu_sample(a: argparse.Namespace) -> int:
+    flag = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: flag.set())
+    signal.signal(signal.SIGINT, lambda *_: flag.set())
+    try:
+        import pynvml as nv
+    except ImportError as exc:
+        Path(a.out).write_text(json.dumps({"t": round(time.time(), 3), "error": str(exc)}) + "\n")
+        return 0
+    n = sample_gpu(Path(a.out), nv, interval_s=a.interval, max_s=a.max_seconds, stopped=flag.is_set)
+    log(f"gpu-sample: {n} samples in {a.out}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # One run
 # --------------------------------------------------------------------------------------------
@@ -408,6 +501,23 @@ class Driver:
             ],
             run.dir / "scrape.log",
         )
+        sampler = (
+            None
+            if self.o.cpu_smoke
+            else self.children.start(
+                f"{name}-gpu",
+                [
+                    sys.executable,
+                    str(self.o.kit / "matrix.py"),
+                    "gpu-sample",
+                    "--out",
+                    str(run.dir / "gpu.jsonl"),
+                    "--max-seconds",
+                    str(int(sc.traffic_s * sc.stretch + 300)),
+                ],
+                run.dir / "gpu_sample.log",
+            )
+        )
         time.sleep(2.0)
         t_warm = time.time()
         warm: list[dict[str, Any]] = []
@@ -437,6 +547,7 @@ class Driver:
         t_last = max((r["t_end"] for r in records), default=time.time())
         time.sleep(self.o.settle_s)
         self.children.stop(scraper, timeout=5)
+        self.children.stop(sampler, timeout=5)
         totals = mk.run_totals(records)
         log(f"{name}: done {totals} unsent {len(unsent)}")
         # Server first, then the recorder: every event the server published is kept.
@@ -704,6 +815,8 @@ def cmd_finalize(a: argparse.Namespace) -> int:
         )
     if (d / "requests.jsonl").exists():
         counts["requests"] = _xz_lines(d / "requests.jsonl", d / "requests.jsonl.xz", json.dumps)
+    if (d / "gpu.jsonl").exists():
+        counts["gpu"] = _xz_lines(d / "gpu.jsonl", d / "gpu.jsonl.xz", json.dumps)
     weights = None
     if (d / "server.log").exists():
         log_text = acc._read(d / "server.log", 64 << 20)
@@ -716,7 +829,7 @@ def cmd_finalize(a: argparse.Namespace) -> int:
         if weights is not None:
             meta["model_weight_bytes"] = weights
         write_json(meta_path, meta)
-    for raw in ("kv_events.jsonl", "requests.jsonl", "server.log"):
+    for raw in ("kv_events.jsonl", "requests.jsonl", "gpu.jsonl", "server.log"):
         (d / raw).unlink(missing_ok=True)
     shutil.rmtree(d / "scrape", ignore_errors=True)
     for marker in d.glob("*.ready"):
@@ -902,7 +1015,13 @@ def cmd_unpack(a: argparse.Namespace) -> int:
             for m in tar.getmembers():
                 if not m.isfile() or ".." in Path(m.name).parts or m.name.startswith("/"):
                     continue
-                if Path(m.name).name in ("FINAL", "finalize.log", "kv_recorder.log", "scrape.log"):
+                if Path(m.name).name in (
+                    "FINAL",
+                    "finalize.log",
+                    "kv_recorder.log",
+                    "scrape.log",
+                    "gpu_sample.log",
+                ):
                     continue
                 if Path(m.name).name == "kv_events.jsonl.stats.json":
                     continue
@@ -1149,6 +1268,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("finalize", help="(child) compress one run into the recording format")
     p.add_argument("--dir", required=True)
     p.set_defaults(fn=cmd_finalize)
+
+    p = sub.add_parser(
+        "gpu-sample", help="(child) NVML samples of GPU 0 while a run's traffic runs"
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument("--interval", type=float, default=GPU_SAMPLE_INTERVAL_S)
+    p.add_argument("--max-seconds", type=float, default=600.0)
+    p.set_defaults(fn=cmd_gpu_sample)
 
     p = sub.add_parser("plan")
     with_runs(p)
