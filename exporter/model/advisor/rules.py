@@ -165,6 +165,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["whatif_configured_hit_ratio"] = inp.whatif.configured_hit_ratio
         numbers["whatif_requests_per_step"] = inp.whatif.requests_per_step
         numbers["whatif_load_wait_share"] = inp.whatif.load_wait_share
+        numbers["whatif_queue_utilisation"] = inp.whatif.queue_utilisation
         numbers["kv_event_batches_lost_ratio"] = inp.whatif.lost_batch_share
     if inp.evidence is not None:
         ev = inp.evidence
@@ -905,20 +906,31 @@ def _evaluate_off(  # noqa: PLR0911, PLR0912  a decision list: rule order is the
             f"that fits the memory headroom ({gib(headroom)}): not worth the pinned memory.",
         )
     saved = knee.ttft_saved_seconds_per_second
+    # Enabling must pay without the queue's share of the saving (WhatIfPoint).
+    linear = knee.ttft_saved_linear_seconds_per_second
+    gate = linear if linear is not None and saved is not None else saved
+    queued = gate is not None and saved is not None and f"{gate:.3f}" != f"{saved:.3f}"
     ttft = d.window.get("ttft_seconds")
-    if saved is not None and ttft and inp.covered_seconds > 0:
-        share = saved * inp.covered_seconds / ttft
+    if gate is not None and saved is not None and ttft and inp.covered_seconds > 0:
+        share = gate * inp.covered_seconds / ttft
         if share < th.ttft_saving_material:
+            queue = (
+                f", {gate:.3f} s without the engine's queue: {pct(share)} of the TTFT now "
+                f"(it pays from {pct(th.ttft_saving_material)} without the queue)"
+                if queued
+                else f", {pct(share)} of the TTFT now (it pays from {pct(th.ttft_saving_material)})"
+            )
             return advice(
                 Action.NO_ACTION,
                 Reason.PREDICTED_SAVING_IMMATERIAL,
                 f"A CPU tier of {gib(knee.cpu_buffer_bytes)} would have served "
                 f"{pct(knee.hit_ratio)} of prompt tokens, but with the loads and the stores of "
                 f"every computed block counted it would save about {saved:.3f} s of TTFT per "
-                f"second, {pct(share)} of the TTFT now (it pays from "
-                f"{pct(th.ttft_saving_material)}): not worth the pinned memory.",
+                f"second{queue}: not worth the pinned memory.",
             )
     extra = f", saving about {saved:.3f} s of TTFT per second" if saved is not None else ""
+    if extra and queued and gate is not None:
+        extra += f" ({gate:.3f} s of it without the engine's queue)"
     return advice(
         Action.ENABLE_OFFLOAD,
         Reason.RECOMPUTE_AFTER_EVICTION,

@@ -189,10 +189,10 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
         Reason.PREDICTED_SAVING_IMMATERIAL: ReasonInfo(
             Action.NO_ACTION,
             "offload off; the what-if's predicted TTFT saving, loads and stores of every "
-            "computed block counted, is below `ttft_saving_material` of the window's TTFT at "
-            "the size it would recommend, or, while the recompute cost is too uncertain to "
-            "enable, at every simulated size even with that cost at the upper end of its "
-            "interval",
+            "computed block counted and the engine's queue not, is below "
+            "`ttft_saving_material` of the window's TTFT at the size it would recommend, or, "
+            "while the recompute cost is too uncertain to enable, at every simulated size even "
+            "with that cost at the upper end of its interval",
         ),
         Reason.BUFFER_TOO_SMALL: ReasonInfo(
             Action.GROW_BUFFER,
@@ -406,6 +406,13 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
             "offload off: what a load would keep its request waiting beyond its copy, as a "
             "share of the mean prefill time per request",
         ),
+        "whatif_queue_utilisation": NumberInfo(
+            "engine utilisation as a queue",
+            "ratio",
+            "offload off: summed TTFT per second over the requests sharing a step, as a "
+            "processor-sharing queue's utilisation; the what-if's saving from hits grows "
+            "by 1 / (1 - what is left of it)",
+        ),
         "kv_event_batches_lost_ratio": NumberInfo(
             "KV-event batches lost",
             "ratio",
@@ -462,6 +469,10 @@ class WhatIfPoint:
     # Offload on: the saving were a loaded token to save the lower end of its measured ~95 %
     # interval; what a "grow" must hold against (more pinned memory needs proof).
     ttft_saved_lower_seconds_per_second: float | None = None
+    # Offload off: the saving without the engine's queue (the hits' saved work priced
+    # linearly, whatif.simulator.queue_saving): never above the estimate, what an "enable"
+    # must clear, since the queue's share rests on a model of how requests overlap.
+    ttft_saved_linear_seconds_per_second: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,6 +487,9 @@ class WhatIfState:
     # Of the window's KV-event batches, the share lost before the simulation saw them: their
     # blocks never stored, so never hits either; the curve undercounts.
     lost_batch_share: float = 0.0
+    # Offload off: the engine's utilisation as a queue (whatif.view.queue_utilisation),
+    # which makes the hits' saving more than linear; None with offload on or without TTFT.
+    queue_utilisation: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1210,6 +1210,7 @@ def ttft_saved_seconds_per_second(
     seconds_per_load: float = 0.0,
     priced_tokens_per_second: float | None = None,
     requests_per_store: float = 1.0,
+    utilisation: float = 0.0,
 ) -> float | None:
     """Summed TTFT saved per second by a CPU tier serving these hits: negative when it costs.
 
@@ -1223,6 +1224,14 @@ def ttft_saved_seconds_per_second(
     save: fewer where prefills have a floor (view.floor_fit). A store delays every request
     whose prefill shares its step, a load only its own request: the stores are charged
     `requests_per_store` times (view.StepSharing.requests_per_step).
+
+    `utilisation` (view.queue_utilisation: the engine's as a processor-sharing queue of the
+    jobs that share steps, `requests_per_store` requests each) makes the hits' saving a
+    queue's: TTFT prices a computed token at its work over (1 - utilisation), the average
+    inflation, but removing work shortens every overlapping prefill, and the summed TTFT of
+    such a queue, rho / (1 - rho) per request sharing a step, falls faster than linearly:
+    by the linear saving over (1 - rho') where rho' is the utilisation left. 0: no queue
+    (the linear saving).
     """
     if seconds_per_computed_token is None or transfer_tokens_per_second is None:
         return None
@@ -1236,7 +1245,25 @@ def ttft_saved_seconds_per_second(
         priced = priced_tokens_per_second
     stored = moved - hit_tokens_per_second
     return (
-        priced * seconds_per_computed_token
+        queue_saving(priced * seconds_per_computed_token, utilisation, requests_per_store)
         - (hit_tokens_per_second + stored * requests_per_store) / transfer_tokens_per_second
         - loads_per_second * seconds_per_load
     )
+
+
+def queue_saving(linear: float, utilisation: float, requests_per_job: float = 1.0) -> float:
+    """Summed TTFT saved per second by removing work that a linear TTFT fit prices at
+    `linear`, from an M/G/1 processor-sharing queue at `utilisation` whose jobs are
+    `requests_per_job` requests that share their steps.
+
+    The queue's summed TTFT per second is k rho / (1 - rho) (Little: requests waiting for
+    their first token), a job of work x waits x / (1 - rho), so the fit's price of a computed
+    token is k w / (1 - rho) for its work w, and a saving priced `linear` removes
+    linear (1 - rho) / k of work per second. What is left, rho', gives
+    k rho / (1 - rho) - k rho' / (1 - rho') = linear / (1 - rho'). A negative `linear`
+    (nothing saved) or no queue stays linear."""
+    if linear <= 0 or utilisation <= 0:
+        return linear
+    rho = min(utilisation, 1.0 - 1e-9)
+    left = max(rho - linear * (1.0 - rho) / max(requests_per_job, 1.0), 0.0)
+    return linear / (1.0 - left)

@@ -211,6 +211,28 @@ def step_sharing(
     )
 
 
+def queue_utilisation(
+    window: TargetWindow, key: EngineKey, t0: float, t1: float, requests_per_job: float
+) -> float | None:
+    """The engine's utilisation as a processor-sharing queue over the intervals in
+    [t0, t1): summed TTFT per second is the mean number of requests waiting for their first
+    token (Little), `requests_per_job` of them sharing their steps as one job, and such a
+    queue holds rho / (1 - rho) jobs; None without TTFT over the span.
+
+    On the H200 matrix: 0.39-0.41 for 32B chat (1.2-1.3 requests waiting, 1.8 to a step),
+    0.13 in the 32B bursts (twelve to a step), 0.04-0.33 elsewhere."""
+    seconds = ttft = 0.0
+    for iv in window.intervals():
+        deltas = iv.deltas.get(key)
+        if t0 <= iv.t0 < t1 and deltas and "ttft_seconds" in deltas:
+            ttft += deltas["ttft_seconds"]
+            seconds += iv.t1 - iv.t0
+    if seconds <= 0:
+        return None
+    jobs = ttft / seconds / max(requests_per_job, 1.0)
+    return jobs / (1.0 + jobs)
+
+
 # Choosing a floor takes more intervals than one fit does.
 FLOOR_MIN_INTERVALS = 12
 
@@ -394,9 +416,13 @@ def whatif_state(
     )
     wait_share = sharing.load_wait_share if sharing is not None else d.load_wait_share
     per_store = sharing.requests_per_step if sharing is not None else 1.0
+    on = bal is not None and computed is not None
+    # Offload off: the hits' saving is a queue's (simulator.queue_saving); with offload on
+    # the balance prices the window's own hits.
+    rho = None if on else queue_utilisation(window, d.key, view.t0, view.t1, per_store)
 
-    def saved(hits: float, cost: float | None, z: float = 0.0) -> float | None:
-        if bal is not None and computed is not None:
+    def saved(hits: float, cost: float | None, z: float = 0.0, queue: bool = True) -> float | None:
+        if on and bal is not None and computed is not None:
             # Offload on: the hits and the tokens computed without offload at the window's
             # prices, the balance's own (at the configured size the two agree).
             return bal.net(z, tokens=(hits, computed)) / view.seconds
@@ -410,9 +436,9 @@ def whatif_state(
             view.load_wait(wait_share, priced * (per_token or 0.0)),
             priced / view.seconds,
             per_store,
+            (rho or 0.0) if queue else 0.0,
         )
 
-    on = bal is not None and computed is not None
     points = tuple(
         WhatIfPoint(
             float(size),
@@ -420,6 +446,7 @@ def whatif_state(
             saved(hits, cost),
             saved(hits, upper_cost) if upper_cost is not None else None,
             saved(hits, cost, -2.0) if on else None,
+            saved(hits, cost, queue=False) if not on else None,
         )
         for size, hits in zip(sizes_bytes, view.hits, strict=True)
     )
@@ -435,6 +462,7 @@ def whatif_state(
         sharing.requests_per_step if sharing is not None and not on else None,
         wait_share if sharing is not None and not on else None,
         view.lost_share,
+        rho if not on else None,
     )
 
 

@@ -162,6 +162,35 @@ def test_enable_needs_the_predicted_saving_to_be_material():
     assert "1.0%" in a.explanation
 
 
+def test_enable_needs_the_saving_to_be_material_without_the_engines_queue():
+    """The what-if's saving counts the engine's queue (whatif.simulator.queue_saving); an
+    enable must pay without it. 60 s of summed TTFT over 300 s: 0.05 s/s with the queue is
+    25 %, but 0.004 s/s without it is 2 % (leave it off, both named); 0.03 s/s without it
+    is 15 % (enable, both named)."""
+    window = {**base().window, "ttft_seconds": 60.0}
+
+    def priced(saved: float, linear: float) -> WhatIfState:
+        points = tuple(
+            WhatIfPoint(p.cpu_buffer_bytes, p.hit_ratio, saved, None, None, linear) for p in CURVE
+        )
+        return WhatIfState(points, 70_000.0, queue_utilisation=0.4)
+
+    a = evaluate(inp(base(window=window), whatif=priced(0.05, 0.004)))
+    assert (a.action, a.reason) == (Action.NO_ACTION, "predicted_saving_immaterial")
+    assert "about 0.050 s of TTFT per second, 0.004 s without the engine's queue: 2.0%" in (
+        a.explanation
+    )
+    assert a.numbers["whatif_queue_utilisation"] == 0.4
+    a = evaluate(inp(base(window=window), whatif=priced(0.05, 0.03)))
+    assert a.action == Action.ENABLE_OFFLOAD
+    assert "saving about 0.050 s of TTFT per second (0.030 s of it without the engine's " in (
+        a.explanation
+    )
+    # Without the queue's share the text is as it was.
+    a = evaluate(inp(base(window=window), whatif=priced(0.05, 0.05)))
+    assert "saving about 0.050 s of TTFT per second, and" in a.explanation
+
+
 def test_enable_respects_memory_headroom():
     w = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0)
     # 10 GiB limit, 8.8 GiB used: 0.2 GiB left under 90%, i.e. 0.1 GiB of flag at 2x pool cost.

@@ -25,8 +25,8 @@ from exporter.model.whatif.engine import (
     WhatIf,
     WhatIfSettings,
 )
-from exporter.model.whatif.plan import sim_config
-from exporter.model.whatif.simulator import ttft_saved_seconds_per_second
+from exporter.model.whatif.plan import sim_config, ttft_cost_per_token
+from exporter.model.whatif.simulator import queue_saving, ttft_saved_seconds_per_second
 from exporter.model.whatif.view import (
     StepSharing,
     WhatIfView,
@@ -34,6 +34,7 @@ from exporter.model.whatif.view import (
     floor_fit,
     policy_points,
     prompt_span,
+    queue_utilisation,
     step_sharing,
     whatif_state,
     window_view,
@@ -495,25 +496,38 @@ def test_the_whatif_prices_hits_down_to_the_floor() -> None:
     view = window_view(snap, w, EK)
     assert state is not None and view is not None
     share = floor.share_above(snap.prefills, view.t0, view.t1)
+    rho = queue_utilisation(w, EK, view.t0, view.t1, 1.0)  # one prefill per step
+    assert rho is not None and state.queue_utilisation == pytest.approx(rho)
     for point, hits in zip(state.points, view.hits, strict=True):
-        assert point.ttft_saved_seconds_per_second == pytest.approx(
-            ttft_saved_seconds_per_second(
-                hits / view.seconds,
-                floor.fit.seconds_per_token,
-                d.transfer_tokens_per_second,
-                None,
-                view.loads(hits) / view.seconds,
-                view.load_wait(d.load_wait_share, hits * share * floor.fit.seconds_per_token),
-                hits * share / view.seconds,
-            )
+        args = (
+            hits / view.seconds,
+            floor.fit.seconds_per_token,
+            d.transfer_tokens_per_second,
+            None,
+            view.loads(hits) / view.seconds,
+            view.load_wait(d.load_wait_share, hits * share * floor.fit.seconds_per_token),
+            hits * share / view.seconds,
+        )
+        queued = ttft_saved_seconds_per_second(*args, utilisation=rho)
+        assert point.ttft_saved_seconds_per_second == pytest.approx(queued)
+        assert point.ttft_saved_linear_seconds_per_second == pytest.approx(
+            ttft_saved_seconds_per_second(*args)
         )
     # The same traffic without a floor: every hit priced in full, at the engine's own cost.
     w0, snap0 = _hinge_window(0, 25e-6)
     snap0 = dataclasses.replace(snap0, buckets=snap.buckets)
     plain = whatif_state(snap0, w0, d, (1000, 2000))
-    assert plain is not None
+    assert plain is not None and plain.queue_utilisation is not None
     assert plain.points[1].ttft_saved_seconds_per_second == pytest.approx(
-        ttft_saved_seconds_per_second(100.0 / view.seconds, 1 / 23_000.0, 110_000.0, None, 0.4, 0.0)
+        ttft_saved_seconds_per_second(
+            100.0 / view.seconds,
+            1 / 23_000.0,
+            110_000.0,
+            None,
+            0.4,
+            0.0,
+            utilisation=plain.queue_utilisation,
+        )
     )
 
 
@@ -548,6 +562,40 @@ def test_a_store_is_paid_by_every_request_sharing_its_step() -> None:
     shared = ttft_saved_seconds_per_second(100.0, 50e-6, 1000.0, 500.0, requests_per_store=3.0)
     assert alone == pytest.approx(100 * 50e-6 - 500 / 1000)
     assert shared == pytest.approx(100 * 50e-6 - (100 + 400 * 3) / 1000)
+
+
+def test_the_hits_saving_is_a_processor_sharing_queues() -> None:
+    """The engine as a processor-sharing queue of jobs (the requests sharing a step): its
+    summed TTFT per second is k rho / (1 - rho), so work the linear price says saves L
+    saves L / (1 - rho') once rho' is what is left: more than linear, most where the
+    engine is busiest (32B chat on the H200: +0.42 s/s predicted at 16 GiB where the
+    linear what-if said +0.27, +0.48 measured)."""
+    rho, k, linear = 0.5, 2.0, 0.2
+    left = rho - linear * (1 - rho) / k  # the work the price says is gone
+    before, after = k * rho / (1 - rho), k * left / (1 - left)
+    assert queue_saving(linear, rho, k) == pytest.approx(before - after)
+    assert linear < queue_saving(linear, rho, k) < linear / (1 - rho)
+    # No queue, nothing saved, or more work removed than there is: linear.
+    assert queue_saving(linear, 0.0, k) == linear
+    assert queue_saving(-0.1, rho, k) == -0.1
+    assert queue_saving(5.0, 0.1, 1.0) == 5.0
+    # Only the hits' saving: the copies and waits are charged as they were.
+    plain = ttft_saved_seconds_per_second(100.0, 50e-6, 1000.0, 500.0, 2.0, 0.01)
+    queued = ttft_saved_seconds_per_second(100.0, 50e-6, 1000.0, 500.0, 2.0, 0.01, utilisation=rho)
+    assert queued - plain == pytest.approx(queue_saving(100 * 50e-6, rho) - 100 * 50e-6)
+
+
+def test_queue_utilisation_is_littles_law_over_the_requests_sharing_a_step() -> None:
+    """Summed TTFT per second is the mean number of requests waiting for their first token;
+    k of them to a step are one job, and a processor-sharing queue with rho / (1 - rho)
+    jobs in it is at rho."""
+    w = TargetWindow(3600.0)
+    for i in range(11):  # 3 requests a second, 0.1 s of TTFT each: 0.3 waiting on average
+        w.add(TargetSample(ts=float(i), engines={EK: EngineSample(_ttft(3.0 * i, 0.3 * i), {})}))
+    assert queue_utilisation(w, EK, 0.0, 10.0, 1.0) == pytest.approx(0.3 / 1.3)
+    assert queue_utilisation(w, EK, 0.0, 10.0, 3.0) == pytest.approx(0.1 / 1.1)
+    assert queue_utilisation(w, EK, 0.0, 10.0, 0.5) == pytest.approx(0.3 / 1.3)  # at least 1
+    assert queue_utilisation(w, EK, 20.0, 30.0, 1.0) is None  # no interval in the span
 
 
 def test_the_whatif_prices_a_burst_by_its_steps() -> None:
@@ -588,8 +636,18 @@ def test_the_whatif_prices_a_burst_by_its_steps() -> None:
         )
         assert extra_wait > 0
         stores = (view.computed_tokens - hits) / view.seconds / d.transfer_tokens_per_second
+        # The hits' saving is a queue's of the jobs that share steps: three requests to a
+        # job make a third as many jobs waiting, so less of a queue.
+        assert one.queue_utilisation is not None and three.queue_utilisation is not None
+        assert three.queue_utilisation < one.queue_utilisation
+        cost = ttft_cost_per_token(d)
+        assert cost is not None
+        linear = hits / view.seconds * cost
+        queue = queue_saving(linear, three.queue_utilisation, 3.0) - queue_saving(
+            linear, one.queue_utilisation, 1.0
+        )
         assert b.ttft_saved_seconds_per_second == pytest.approx(
-            a.ttft_saved_seconds_per_second - loads * extra_wait - 2 * stores
+            a.ttft_saved_seconds_per_second - loads * extra_wait - 2 * stores + queue
         )
 
 
