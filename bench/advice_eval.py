@@ -596,6 +596,7 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         if e.first_decision_s is not None and e.first_decision_s <= GOALS["decision_within_s"]
     ]
     predictions = [p for e in evals for p in e.predictions if p.ok is not None]
+    errors = [abs(p.predicted - p.measured) for p in predictions if p.predicted is not None]
     after = [e.after for e in evals if e.after is not None and e.after.verified]
     return {
         "runs": len(evals),
@@ -612,6 +613,9 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         "decided": len(in_time) / len(evals) if evals else None,
         "predictions": len(predictions),
         "predictions_ok": sum(bool(p.ok) for p in predictions),
+        # How near the predictions come on the whole, inside the tolerance or not: what a
+        # change to the what-if that moves none across it still shows (session 26).
+        "prediction_mean_abs_error": (sum(errors) / len(errors) if errors else None),
         "prediction_misses": [f"{p.run} at {_gib(p.size_bytes)}" for p in predictions if not p.ok],
         "after": {
             "verified": len(after),
@@ -621,6 +625,11 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         },
         "goals": GOALS,
     }
+
+
+def _mae(s: Mapping[str, Any]) -> str:
+    mae = s.get("prediction_mean_abs_error")
+    return "" if mae is None else f" (mean absolute error {mae:.3f} s/s)"
 
 
 def _gib(x: float | None) -> str:
@@ -707,7 +716,8 @@ def markdown(evals: Sequence[RunEval]) -> str:
         f"{', '.join(s['harmful']) or 'none'} (at a flat 3 %, the noise ignored: "
         f"{', '.join(s['harmful_3pct']) or 'none'}); settled advice swinging back to an action "
         f"it left: {', '.join(s['swinging']) or 'none'}; predicted saving within 25 %, 0.02 s/s "
-        f"or the family's noise of the measured one: {s['predictions_ok']} of {s['predictions']}; "
+        f"or the family's noise of the measured one: {s['predictions_ok']} of {s['predictions']}"
+        f"{_mae(s)}; "
         "settled at a size no run of the family measured on any machine (neither agreeing nor "
         f"harmful): "
         f"{'; '.join(s['unmeasured']) or 'none'}.",
