@@ -50,7 +50,7 @@ import tarfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -295,31 +295,32 @@ def gpu_sample(nv: Any, index: int = 0) -> dict[str, Any]:
     return out
 
 
+def _gpu_error_line(exc: BaseException) -> str:
+    return json.dumps({"t": round(time.time(), 3), "error": f"{type(exc).__name__}: {exc}"}) + "\n"
+
+
 def sample_gpu(
     out: Path,
     nv: Any,
     *,
     interval_s: float = GPU_SAMPLE_INTERVAL_S,
     max_s: float = 600.0,
-    stopped: Any = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> int:
     """Append one gpu_sample line per interval to `out` until `max_s` have passed or
     `stopped()` says so (SIGTERM from the driver); the number of lines written. An NVML that
     cannot start writes one {"t", "error"} line: the run is recorded without samples."""
-    stopped = stopped or (lambda: False)
+    done = stopped or (lambda: False)
     end = time.monotonic() + max_s
     n = 0
     with out.open("a", encoding="utf-8") as fh:
         try:
             nv.nvmlInit()
         except Exception as exc:
-            fh.write(
-                json.dumps({"t": round(time.time(), 3), "error": f"{type(exc).__name__}: {exc}"})
-                + "\n"
-            )
+            fh.write(_gpu_error_line(exc))
             return 0
         try:
-            while not stopped() and time.monotonic() < end:
+            while not done() and time.monotonic() < end:
                 t = time.monotonic()
                 fh.write(json.dumps(gpu_sample(nv)) + "\n")
                 fh.flush()
@@ -338,7 +339,8 @@ def cmd_gpu_sample(a: argparse.Namespace) -> int:
     try:
         import pynvml as nv
     except ImportError as exc:
-        Path(a.out).write_text(json.dumps({"t": round(time.time(), 3), "error": str(exc)}) + "\n")
+        with Path(a.out).open("a", encoding="utf-8") as fh:
+            fh.write(_gpu_error_line(exc))
         return 0
     n = sample_gpu(Path(a.out), nv, interval_s=a.interval, max_s=a.max_seconds, stopped=flag.is_set)
     log(f"gpu-sample: {n} samples in {a.out}")

@@ -422,7 +422,7 @@ def whatif_state(
     rho = None if on else queue_utilisation(window, d.key, view.t0, view.t1, per_store)
 
     def saved(hits: float, cost: float | None, z: float = 0.0, queue: bool = True) -> float | None:
-        if on and bal is not None and computed is not None:
+        if bal is not None and computed is not None:
             # Offload on: the hits and the tokens computed without offload at the window's
             # prices, the balance's own (at the configured size the two agree).
             return bal.net(z, tokens=(hits, computed)) / view.seconds
