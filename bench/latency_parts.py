@@ -16,8 +16,11 @@ Per offload run it also splits the summed TTFT saved between the requests that l
 cached tokens above the same request's without offload: the hits the tier added) and the
 rest, from requests.jsonl: a hit shortens the steps and the queue every other request waits
 on too, which a price per loaded token does not show (session 24: 63 % of 32B chat's saving
-at 16 GiB went to requests that loaded nothing). The numbers docs/gpu-acceptance.md quotes
-per session (sessions 22-24) come from here.
+at 16 GiB went to requests that loaded nothing). The rest split again by whether each arrived
+alone or behind another request (session 27: on unique prompts the stores cost 0.6B and 8B
+about their copy time on every request, alone or not, and 32B none). The numbers
+docs/gpu-acceptance.md quotes per session (sessions 22-27) come from here, and where a
+recording has NVML samples (batch 21 on) how busy the GPU was and what it sent to the host.
 """
 
 from __future__ import annotations
@@ -94,13 +97,20 @@ def spread(
     """Who the summed TTFT saved went to, over the requests both runs completed: "loaders"
     (requests with more cached tokens than without offload), their "loaded_tokens" (those
     extra tokens), "loaders_saved_s" and "others_saved_s" (TTFT without offload minus with,
-    summed), and "others_share" of the whole saving (None when nothing was saved). None when
-    no request is matched."""
+    summed), and "others_share" of the whole saving (None when nothing was saved). The
+    others split again by what they found on arrival in the run without offload: "alone"
+    (no earlier request still waiting for its first token) or "behind" one, each with its
+    count and its mean TTFT saved a request in milliseconds (None where there is no such
+    request, or the records have no send times): a cost that lands on the requests that
+    arrive alone is their own steps', not a queue's (session 27: the stores on unique
+    prompts). None when no request is matched."""
     pairs = matrixkit.matched_requests(base, offload)
     if not pairs:
         return None
+    behind_one = _behind_one_on_arrival(base)
     loaders = loaded = 0
     mine = theirs = 0.0
+    saved_by: dict[bool, list[float]] = {False: [], True: []}
     for a, b in pairs:
         extra = int(b.get("cached_tokens") or 0) - int(a.get("cached_tokens") or 0)
         saved = float(a["ttft_s"]) - float(b["ttft_s"])
@@ -110,7 +120,14 @@ def spread(
             mine += saved
         else:
             theirs += saved
+            behind = behind_one.get(int(a["i"]))
+            if behind is not None:
+                saved_by[behind].append(saved)
     total = mine + theirs
+
+    def mean_ms(xs: list[float]) -> float | None:
+        return round(1e3 * sum(xs) / len(xs), 2) if xs else None
+
     return {
         "requests": float(len(pairs)),
         "loaders": float(loaders),
@@ -118,6 +135,53 @@ def spread(
         "loaders_saved_s": round(mine, 4),
         "others_saved_s": round(theirs, 4),
         "others_share": round(theirs / total, 4) if total > 0 else None,
+        "alone": float(len(saved_by[False])),
+        "alone_saved_ms": mean_ms(saved_by[False]),
+        "behind": float(len(saved_by[True])),
+        "behind_saved_ms": mean_ms(saved_by[True]),
+    }
+
+
+def _behind_one_on_arrival(records: Sequence[Mapping[str, Any]]) -> dict[int, bool]:
+    """Per completed request with a send time: whether an earlier one was still waiting for
+    its first token (send time plus TTFT: its prefill, not its decode) when it was sent."""
+    sent = sorted(
+        (float(r["t_send"]), float(r["t_send"]) + float(r["ttft_s"]), int(r["i"]))
+        for r in records
+        if r.get("status") == 200 and r.get("t_send") is not None
+    )
+    out: dict[int, bool] = {}
+    last_first_token = float("-inf")
+    for t_send, first_token, i in sent:
+        out[i] = last_first_token > t_send
+        last_first_token = max(last_first_token, first_token)
+    return out
+
+
+def gpu_means(run: Path, records: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+    """The recording's NVML samples (gpu.jsonl.xz, batch 21 on) over its traffic (first send
+    to last end in requests.jsonl), averaged: "busy" (the share of time a kernel ran, 0..1)
+    and "pcie_to_host_mb_s" (MB/s the GPU sent: the stores, with offload on). None without
+    samples, or none within the traffic."""
+    path = run / "gpu.jsonl.xz"
+    sent = [r for r in records if r.get("t_send") is not None and r.get("t_end") is not None]
+    if not path.exists() or not sent:
+        return None
+    t0 = min(float(r["t_send"]) for r in sent)
+    t1 = max(float(r["t_end"]) for r in sent)
+    busy: list[float] = []
+    tx: list[float] = []
+    with lzma.open(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            x = json.loads(line)
+            if "gpu_util" in x and t0 <= float(x["t"]) <= t1:
+                busy.append(float(x["gpu_util"]))
+                tx.append(float(x.get("pcie_tx_bytes_per_second") or 0.0))
+    if not busy:
+        return None
+    return {
+        "busy": round(sum(busy) / len(busy), 4),
+        "pcie_to_host_mb_s": round(sum(tx) / len(tx) / 1e6, 1),
     }
 
 
@@ -126,9 +190,10 @@ def _ms(parts: dict[str, float] | None) -> dict[str, float] | None:
 
 
 def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
-    """Per recording (every one under `root`, or `names`): "ms", its parts in milliseconds;
-    per offload run also "base" (its run without offload), "base_ms", "change_ms" and
-    "spread" (who the saving went to, `spread`)."""
+    """Per recording (every one under `root`, or `names`): "ms", its parts in milliseconds,
+    and "gpu" where it has NVML samples (`gpu_means`); per offload run also "base" (its run
+    without offload), "base_ms", "change_ms" and "spread" (who the saving went to,
+    `spread`)."""
     metas = recording_metas(root, names)
     parts: dict[str, dict[str, float] | None] = {}
 
@@ -140,6 +205,8 @@ def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str,
     out: dict[str, dict[str, Any]] = {}
     for name in names or sorted(metas):
         row: dict[str, Any] = {"ms": of(name)}
+        if (root / name / "gpu.jsonl.xz").exists():
+            row["gpu"] = gpu_means(root / name, matrixkit.load_requests(root / name))
         base = matrixkit.base_run(metas, name) if metas[name].get("offload") else None
         if base is not None:
             mine, theirs = row["ms"], of(base)
@@ -158,15 +225,27 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
         fmt = "{:+.1f}" if signed else "{:.1f}"
         return [fmt.format(ms[k]) if ms else "-" for k in COLUMNS]
 
+    def gpu(g: Mapping[str, float] | None) -> list[str]:
+        if not g:
+            return ["-"] * 2
+        return [f"{g['busy']:.1%}", f"{g['pcie_to_host_mb_s']:.0f}"]
+
     def who(sp: Mapping[str, Any] | None) -> list[str]:
         if not sp:
-            return ["-"] * 4
+            return ["-"] * 6
+
+        def each(key: str) -> str:
+            ms = sp.get(f"{key}_saved_ms")
+            return f"{ms:+.2f} ({sp[key]:.0f})" if ms is not None else "-"
+
         share = sp["others_share"]
         return [
             f"{sp['loaders']:.0f} of {sp['requests']:.0f}",
             f"{sp['loaders_saved_s']:.2f}",
             f"{sp['others_saved_s']:.2f}",
             f"{share:.0%}" if share is not None else "-",
+            each("alone"),
+            each("behind"),
         ]
 
     header = [
@@ -178,6 +257,10 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
         "saved by loaders s",
         "saved by others s",
         "others' share",
+        "others alone: ms saved each (n)",
+        "others behind one: ms saved each (n)",
+        "GPU busy (NVML)",
+        "PCIe to host MB/s",
     ]
     body = [
         [
@@ -186,6 +269,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
             r.get("base", "-"),
             *cells(r.get("change_ms"), signed=True),
             *who(r.get("spread")),
+            *gpu(r.get("gpu")),
         ]
         for name, r in rows.items()
     ]

@@ -68,17 +68,65 @@ def test_an_offload_run_is_compared_with_its_run_without_offload(tmp_path: Path)
     assert "spread" not in base
     table = latency_parts.markdown(rows)
     assert table.splitlines()[0].startswith("| run | queue | prefill | ttft | pre | base |")
-    assert table.splitlines()[0].endswith("| saved by others s | others' share |")
+    assert "| saved by others s | others' share |" in table.splitlines()[0]
     assert "| qwen3-32b-chat-graphs-cpu64k | 23.3 | 187.5 |" in table
     assert "| 154 of 526 |" in table
+    assert table.splitlines()[0].endswith(
+        "| others alone: ms saved each (n) | others behind one: ms saved each (n) "
+        "| GPU busy (NVML) | PCIe to host MB/s |"
+    )
+    assert table.splitlines()[2].endswith("| - | - |")  # recorded without NVML samples
 
 
-def _req(i: int, ttft: float, cached: int, status: int = 200) -> dict[str, object]:
-    return {"i": i, "ttft_s": ttft, "cached_tokens": cached, "status": status}
+def test_a_store_costs_small_shapes_on_every_request_and_32b_none() -> None:
+    """Batch 21 (session 27): on unique prompts nothing loads, so what offload changes is
+    the stores'. Served with CUDA graphs, 0.6B and 8B pay a few milliseconds on the requests
+    that arrived with nothing ahead of them as on the rest, which no queue explains; 32B
+    unique (eager) pays about nothing on either."""
+    rows = latency_parts.table(
+        MATRIX,
+        [
+            "qwen3-8b-unique-graphs-cpu64k",
+            "qwen3-0.6b-unique-graphs-cpu64k",
+            "qwen3-32b-unique-cpu64k",
+        ],
+    )
+    for name in ("qwen3-8b-unique-graphs-cpu64k", "qwen3-0.6b-unique-graphs-cpu64k"):
+        sp = rows[name]["spread"]
+        assert sp["loaders"] == 0 and sp["alone"] > sp["behind"] > 50
+        assert sp["alone_saved_ms"] < -2.0 and sp["behind_saved_ms"] < -2.0
+        # Inside vLLM's prefill time, the engine's steps, not the queue before them.
+        change = rows[name]["change_ms"]
+        assert change["prefill"] > 2.0 and abs(change["queue"]) < 0.5
+    big = rows["qwen3-32b-unique-cpu64k"]["spread"]
+    assert abs(big["alone_saved_ms"]) < 1.0 and abs(big["behind_saved_ms"]) < 1.0
+    # NVML beside the graphs runs: a GPU mostly idle, and the stores' bytes on the link
+    # (4,247 prompt tokens/s at 144 KiB a token on 8B: 626 MB/s).
+    eight = rows["qwen3-8b-unique-graphs-cpu64k"]["gpu"]
+    assert eight["busy"] < 0.2 and 500 < eight["pcie_to_host_mb_s"] < 1000
+    assert "gpu" not in rows["qwen3-32b-unique-cpu64k"]  # recorded before the sampler
+    without = latency_parts.table(MATRIX, ["qwen3-8b-unique-graphs-none"])
+    assert without["qwen3-8b-unique-graphs-none"]["gpu"]["pcie_to_host_mb_s"] < 10
+    assert latency_parts.gpu_means(MATRIX / "qwen3-8b-unique-graphs-none", []) is None
+
+
+def _req(
+    i: int, ttft: float, cached: int, status: int = 200, sent: float | None = None
+) -> dict[str, object]:
+    r: dict[str, object] = {"i": i, "ttft_s": ttft, "cached_tokens": cached, "status": status}
+    if sent is not None:
+        r["t_send"] = sent
+    return r
 
 
 def test_the_saving_splits_between_the_requests_that_loaded_and_the_rest() -> None:
-    base = [_req(0, 1.0, 0), _req(1, 0.5, 256), _req(2, 0.4, 0), _req(3, 9.0, 0)]
+    # Sent at 0, 0.5 (the first still waits for its first token until 1.0), 2 and 3.
+    base = [
+        _req(0, 1.0, 0, sent=0.0),
+        _req(1, 0.5, 256, sent=0.5),
+        _req(2, 0.4, 0, sent=2.0),
+        _req(3, 9.0, 0, sent=3.0),
+    ]
     offload = [
         _req(0, 0.4, 512),  # loaded 512 tokens more: saved 0.6 s
         _req(1, 0.3, 256),  # the same hits as without offload: shorter waits, 0.2 s
@@ -94,7 +142,17 @@ def test_the_saving_splits_between_the_requests_that_loaded_and_the_rest() -> No
         "loaders_saved_s": pytest.approx(0.6),
         "others_saved_s": pytest.approx(0.1),
         "others_share": pytest.approx(0.1 / 0.7, abs=1e-4),
+        # Of the others, request 2 arrived alone (slower by 100 ms), request 1 behind 0.
+        "alone": 1.0,
+        "alone_saved_ms": pytest.approx(-100.0),
+        "behind": 1.0,
+        "behind_saved_ms": pytest.approx(200.0),
     }
+    # Records without send times: the split is unknown, not zero.
+    unsent = [{k: v for k, v in r.items() if k != "t_send"} for r in base]
+    sp = latency_parts.spread(unsent, offload)
+    assert sp is not None and sp["alone"] == sp["behind"] == 0.0
+    assert sp["alone_saved_ms"] is None and sp["behind_saved_ms"] is None
     # Offload cost: no share of a saving to speak of.
     slower = [_req(0, 1.1, 512), _req(1, 0.6, 256), _req(2, 0.4, 0)]
     assert latency_parts.spread(base, slower)["others_share"] is None  # type: ignore[index]
