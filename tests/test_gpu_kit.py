@@ -612,18 +612,27 @@ def test_matrix_scenarios_are_data() -> None:
     assert shapes == {"qwen3-0.6b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}
     assert {"rag-zipf", "chat", "unique", "long-context", "concurrent"} <= workloads
     graphs = [n for n in SCENARIOS if "-graphs-" in n]
+    idle = [n for n in SCENARIOS if "-unique-idle-" in n]
     matrix = [
         n
         for n in SCENARIOS
-        if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k") and n not in graphs
+        if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k") and n not in graphs + idle
     ]
     held_out = [n for n in matrix if SCENARIOS[n].shape.name == "qwen3-14b"]
     assert len(matrix) == 45 + 6 and len(held_out) == 6
     # graphs.json: the same workloads as vLLM serves by default (CUDA graphs), its own pair
     # family, so that its runs are never compared with the matrix's eager ones.
     # Session 22: six recorded; session 23: two closing their loop and 32B chat's pair;
-    # session 24 its 32 GiB loop; 8B and 0.6B unique (batch 21, what hides a store) wait.
+    # session 24 its 32 GiB loop; session 27 8B and 0.6B unique (batch 21, what hides a store).
     assert len(graphs) == 16
+    # idle.json (batch 22): 32B unique at a quarter of the rate, its own pair family, so
+    # that an engine's load is told from its shape.
+    assert sorted(idle) == ["qwen3-32b-unique-idle-cpu64k", "qwen3-32b-unique-idle-none"]
+    for n in idle:
+        sc, busy = SCENARIOS[n], SCENARIOS[n.replace("-idle", "")]
+        assert sc.workload.params["rate_per_s"] == busy.workload.params["rate_per_s"] / 4
+        assert sc.workload.seed == busy.workload.seed and sc.vllm_args == busy.vllm_args
+        assert sc.pair != busy.pair and sc.offload == busy.offload
     for n in graphs:
         sc = SCENARIOS[n]
         eager = SCENARIOS[f"{sc.shape.name}-{sc.workload.name}-none"]
