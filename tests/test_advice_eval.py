@@ -102,12 +102,21 @@ def test_a_family_served_with_cuda_graphs_is_judged_on_its_own(evals) -> None:  
     all three are within: +0.424, +0.420 and +0.432. Both of its runs name 32 GiB; session 24
     recorded it beside a control on a fifth machine (batch 19): 32 GiB pays 78.8 %, predicted from
     the control at +0.923 s/s for +0.973 (+0.981 with the queue; within, as the eager family's 32
-    and 48 GiB predictions are), and the 32 GiB run keeps: every graphs run agrees or waits."""
+    and 48 GiB predictions are), and the 32 GiB run keeps: every graphs run agrees or waits.
+    Session 27 (batch 21): 8B and 0.6B unique prompts, where offload is its stores alone, cost
+    11.6 and 15.1 %, as much of the stores' charge as the eager runs measured, and both
+    predictions made without offload are within; no run of that family enables or keeps."""
     by = {e.run: e for e in evals}
     graphs = [e for e in evals if "-graphs-" in e.run]
-    assert len(graphs) == 12
+    assert len(graphs) == 16
     families = {e.family for e in graphs}
-    assert families == {"qwen3-8b-concurrent", "qwen3-0.6b-concurrent", "qwen3-32b-chat"}
+    assert families == {
+        "qwen3-8b-concurrent",
+        "qwen3-0.6b-concurrent",
+        "qwen3-32b-chat",
+        "qwen3-8b-unique",
+        "qwen3-0.6b-unique",
+    }
     assert not families & {e.family for e in evals if "-graphs-" not in e.run}
     for e in graphs:
         if e.offload_bytes is not None:
@@ -155,6 +164,12 @@ def test_a_family_served_with_cuda_graphs_is_judged_on_its_own(evals) -> None:  
     assert by["qwen3-32b-chat-graphs-cpu32g"].after.base == control32.run
     assert by["qwen3-32b-chat-graphs-cpu32g"].action == "keep"
     assert all(e.agrees or e.action == "insufficient_data" for e in graphs)
+    for shape in ("qwen3-8b", "qwen3-0.6b"):
+        none, on = by[f"{shape}-unique-graphs-none"], by[f"{shape}-unique-graphs-cpu64k"]
+        assert none.truth == on.truth == "costs" and none.agrees and on.agrees
+        (p,) = none.predictions
+        assert p.measured < 0 and p.predicted < 0 and p.ok, shape
+        assert none.action == "no_action" and on.action == "disable_offload"
 
 
 def test_the_held_out_shape_is_judged_like_the_matrix(evals) -> None:  # type: ignore[no-untyped-def]
