@@ -613,10 +613,13 @@ def test_matrix_scenarios_are_data() -> None:
     assert {"rag-zipf", "chat", "unique", "long-context", "concurrent"} <= workloads
     graphs = [n for n in SCENARIOS if "-graphs-" in n]
     idle = [n for n in SCENARIOS if "-unique-idle-" in n]
+    # stores.json (batch 23, staged in session 28): 14B on the unique prompts, at the
+    # matrix's rate and at idle.json's.
+    stores = [n for n in SCENARIOS if n.startswith("qwen3-14b-unique-")]
     matrix = [
         n
         for n in SCENARIOS
-        if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k") and n not in graphs + idle
+        if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k") and n not in graphs + idle + stores
     ]
     held_out = [n for n in matrix if SCENARIOS[n].shape.name == "qwen3-14b"]
     assert len(matrix) == 45 + 6 and len(held_out) == 6
@@ -627,7 +630,16 @@ def test_matrix_scenarios_are_data() -> None:
     assert len(graphs) == 16
     # idle.json (batch 22): 32B unique at a quarter of the rate, its own pair family, so
     # that an engine's load is told from its shape.
-    assert sorted(idle) == ["qwen3-32b-unique-idle-cpu64k", "qwen3-32b-unique-idle-none"]
+    assert sorted(idle) == [
+        "qwen3-14b-unique-idle-cpu64k",
+        "qwen3-14b-unique-idle-none",
+        "qwen3-32b-unique-idle-cpu64k",
+        "qwen3-32b-unique-idle-none",
+    ]
+    assert sorted(set(stores) - set(idle)) == ["qwen3-14b-unique-cpu64k", "qwen3-14b-unique-none"]
+    assert (
+        SCENARIOS["qwen3-14b-unique-none"].workload == SCENARIOS["qwen3-32b-unique-none"].workload
+    )
     for n in idle:
         sc, busy = SCENARIOS[n], SCENARIOS[n.replace("-idle", "")]
         assert sc.workload.params["rate_per_s"] == busy.workload.params["rate_per_s"] / 4

@@ -110,6 +110,37 @@ def test_a_store_costs_small_shapes_on_every_request_and_32b_none() -> None:
     assert latency_parts.gpu_means(MATRIX / "qwen3-8b-unique-graphs-none", []) is None
 
 
+def test_an_idle_32b_engine_still_hides_most_of_a_store() -> None:
+    """Batch 22 (session 28): 32B unique prompts at a quarter of the rate, the engine idle
+    between requests. Its requests that arrived alone paid well under their prompt's copy
+    time, where the smaller shapes' paid more than theirs: the shape hides a 32B store, not
+    a busy engine. The copy time is the recording's own: its KV bytes a token and its
+    link's bandwidth (NVML), over the prompt tokens a request sent."""
+    names = [
+        "qwen3-32b-unique-idle-cpu64k",
+        "qwen3-8b-unique-graphs-cpu64k",
+        "qwen3-0.6b-unique-graphs-cpu64k",
+    ]
+    rows = latency_parts.table(MATRIX, names)
+    paid = {}
+    for name in names:
+        meta = json.loads((MATRIX / name / "meta.json").read_text())
+        sequence = meta["workload"]["sequence"]
+        per_request = sequence["prompt_tokens"] / sequence["requests"]
+        copy_ms = 1e3 * per_request * meta["kv_bytes_per_token"]
+        copy_ms /= meta["link_bandwidth_bytes_per_second"]
+        sp = rows[name]["spread"]
+        assert sp["loaders"] == 0
+        paid[name] = -sp["alone_saved_ms"] / copy_ms
+    idle = rows["qwen3-32b-unique-idle-cpu64k"]
+    # Idle: most requests arrived alone, the GPU busy a small part of the time.
+    assert idle["spread"]["alone"] > 4 * idle["spread"]["behind"]
+    assert idle["gpu"]["busy"] < 0.2
+    assert 0 < paid["qwen3-32b-unique-idle-cpu64k"] < 0.5
+    assert paid["qwen3-8b-unique-graphs-cpu64k"] > 1.0
+    assert paid["qwen3-0.6b-unique-graphs-cpu64k"] > 1.0
+
+
 def _req(
     i: int, ttft: float, cached: int, status: int = 200, sent: float | None = None
 ) -> dict[str, object]:
