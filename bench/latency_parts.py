@@ -18,8 +18,9 @@ rest, from requests.jsonl: a hit shortens the steps and the queue every other re
 on too, which a price per loaded token does not show (session 24: 63 % of 32B chat's saving
 at 16 GiB went to requests that loaded nothing). The rest split again by whether each arrived
 alone or behind another request (session 27: on unique prompts the stores cost 0.6B and 8B
-about their copy time on every request, alone or not, and 32B none). The numbers
-docs/gpu-acceptance.md quotes per session (sessions 22-27) come from here, and where a
+about their copy time on every request, alone or not, and 32B at 4 requests/s none; session
+28: 32B at 1 request/s, its engine idle, a quarter of it). The numbers
+docs/gpu-acceptance.md quotes per session (sessions 22-28) come from here, and where a
 recording has NVML samples (batch 21 on) how busy the GPU was and what it sent to the host.
 """
 
