@@ -628,8 +628,9 @@ def test_matrix_scenarios_are_data() -> None:
     # Session 22: six recorded; session 23: two closing their loop and 32B chat's pair;
     # session 24 its 32 GiB loop; session 27 8B and 0.6B unique (batch 21, what hides a store).
     assert len(graphs) == 16
-    # idle.json (batch 22): 32B unique at a quarter of the rate, its own pair family, so
-    # that an engine's load is told from its shape.
+    # idle.json (batch 22) and stores.json's idle pair (batch 23): unique prompts at a
+    # quarter of the rate, each its own pair family, so that an engine's load is told from
+    # its shape.
     assert sorted(idle) == [
         "qwen3-14b-unique-idle-cpu64k",
         "qwen3-14b-unique-idle-none",
