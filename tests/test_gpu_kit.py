@@ -628,19 +628,30 @@ def test_matrix_scenarios_are_data() -> None:
     # Session 22: six recorded; session 23: two closing their loop and 32B chat's pair;
     # session 24 its 32 GiB loop; session 27 8B and 0.6B unique (batch 21, what hides a store).
     assert len(graphs) == 16
-    # idle.json (batch 22) and stores.json's idle pair (batch 23): unique prompts at a
-    # quarter of the rate, each its own pair family, so that an engine's load is told from
-    # its shape.
+    # idle.json (batch 22), stores.json's idle pair (batch 23) and machine.json's (batch 24,
+    # 8B on batch 23's H100 host): unique prompts at a quarter of the rate, each its own pair
+    # family, so that an engine's load is told from its shape.
     assert sorted(idle) == [
         "qwen3-14b-unique-idle-cpu64k",
         "qwen3-14b-unique-idle-none",
         "qwen3-32b-unique-idle-cpu64k",
         "qwen3-32b-unique-idle-none",
+        "qwen3-8b-unique-idle-cpu64k",
+        "qwen3-8b-unique-idle-none",
     ]
     assert sorted(set(stores) - set(idle)) == ["qwen3-14b-unique-cpu64k", "qwen3-14b-unique-none"]
     assert (
         SCENARIOS["qwen3-14b-unique-none"].workload == SCENARIOS["qwen3-32b-unique-none"].workload
     )
+    # machine.json's batch 25: batch 21's 8B pair again, for whichever host runs it.
+    for n in ("qwen3-8b-unique-none", "qwen3-8b-unique-cpu64k"):
+        sc, rep = SCENARIOS[n], SCENARIOS[n + "-rep"]
+        assert (rep.workload, rep.vllm_args, rep.offload, rep.pair) == (
+            sc.workload,
+            sc.vllm_args,
+            sc.offload,
+            sc.pair,
+        )
     for n in idle:
         sc, busy = SCENARIOS[n], SCENARIOS[n.replace("-idle", "")]
         assert sc.workload.params["rate_per_s"] == busy.workload.params["rate_per_s"] / 4
@@ -844,6 +855,30 @@ def test_matrix_plan_session() -> None:
     assert plan.groups == (
         ("qwen3-32b-chat-none",),
         ("qwen3-32b-chat-cpu64k", "qwen3-8b-chat-none"),
+    )
+
+
+def test_matrix_plan_fits_the_card_it_runs_on() -> None:
+    """The driver plans for the memory NVML reports: batch 23's three 14B servers shared the
+    H200, and on an H100 (session 29) each starts alone. The H200's plan is the one every
+    session before used."""
+    h200, h100 = 150754820096, 85520809984  # NVML's totals (env/nvml_link.json)
+    assert mk.gpu_capacity_bytes(None) == mk.gpu_capacity_bytes(h200) == 125 * 10**9
+    names = [
+        "qwen3-14b-unique-idle-none",
+        "qwen3-14b-unique-idle-cpu64k",
+        "qwen3-14b-unique-none",
+        "qwen3-14b-unique-cpu64k",
+    ]
+    scs = mk.resolve(names, SCENARIOS)
+    on_h200 = mk.plan_session(scs, 1500, gpu_capacity_bytes=mk.gpu_capacity_bytes(h200))
+    assert on_h200.groups == (tuple(names[:3]), tuple(names[3:]))
+    on_h100 = mk.plan_session(scs, 1500, gpu_capacity_bytes=mk.gpu_capacity_bytes(h100))
+    assert on_h100.groups == tuple((n,) for n in names)
+    # Two 8B servers (24 GiB each) still share the smaller card.
+    pair = mk.resolve(["qwen3-8b-unique-idle-none", "qwen3-8b-unique-idle-cpu64k"], SCENARIOS)
+    assert (
+        len(mk.plan_session(pair, 600, gpu_capacity_bytes=mk.gpu_capacity_bytes(h100)).groups) == 1
     )
 
 

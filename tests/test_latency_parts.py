@@ -7,6 +7,7 @@ import json
 import lzma
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,28 +111,32 @@ def test_a_store_costs_small_shapes_on_every_request_and_32b_none() -> None:
     assert latency_parts.gpu_means(MATRIX / "qwen3-8b-unique-graphs-none", []) is None
 
 
+def _store_paid(rows: dict[str, dict[str, Any]], name: str) -> float:
+    """What a request arriving alone paid for the stores, as a share of its prompt's copy
+    time: the recording's own KV bytes a token and link bandwidth (NVML), over the prompt
+    tokens a request sent."""
+    meta = json.loads((MATRIX / name / "meta.json").read_text())
+    sequence = meta["workload"]["sequence"]
+    per_request = sequence["prompt_tokens"] / sequence["requests"]
+    copy_ms = 1e3 * per_request * meta["kv_bytes_per_token"]
+    copy_ms /= meta["link_bandwidth_bytes_per_second"]
+    sp = rows[name]["spread"]
+    assert sp["loaders"] == 0
+    return float(-sp["alone_saved_ms"] / copy_ms)
+
+
 def test_an_idle_32b_engine_still_hides_most_of_a_store() -> None:
     """Batch 22 (session 28): 32B unique prompts at a quarter of the rate, the engine idle
     between requests. Its requests that arrived alone paid well under their prompt's copy
-    time, where the smaller shapes' paid more than theirs: the shape hides a 32B store, not
-    a busy engine. The copy time is the recording's own: its KV bytes a token and its
-    link's bandwidth (NVML), over the prompt tokens a request sent."""
+    time, where the smaller shapes' on batch 21's host paid more than theirs: not a busy
+    engine hides a 32B store (batches 23 and 24, below: nor the shape)."""
     names = [
         "qwen3-32b-unique-idle-cpu64k",
         "qwen3-8b-unique-graphs-cpu64k",
         "qwen3-0.6b-unique-graphs-cpu64k",
     ]
     rows = latency_parts.table(MATRIX, names)
-    paid = {}
-    for name in names:
-        meta = json.loads((MATRIX / name / "meta.json").read_text())
-        sequence = meta["workload"]["sequence"]
-        per_request = sequence["prompt_tokens"] / sequence["requests"]
-        copy_ms = 1e3 * per_request * meta["kv_bytes_per_token"]
-        copy_ms /= meta["link_bandwidth_bytes_per_second"]
-        sp = rows[name]["spread"]
-        assert sp["loaders"] == 0
-        paid[name] = -sp["alone_saved_ms"] / copy_ms
+    paid = {name: _store_paid(rows, name) for name in names}
     idle = rows["qwen3-32b-unique-idle-cpu64k"]
     # Idle: most requests arrived alone, the GPU busy a small part of the time.
     assert idle["spread"]["alone"] > 4 * idle["spread"]["behind"]
@@ -139,6 +144,59 @@ def test_an_idle_32b_engine_still_hides_most_of_a_store() -> None:
     assert 0 < paid["qwen3-32b-unique-idle-cpu64k"] < 0.5
     assert paid["qwen3-8b-unique-graphs-cpu64k"] > 1.0
     assert paid["qwen3-0.6b-unique-graphs-cpu64k"] > 1.0
+
+
+def test_the_part_of_a_store_paid_follows_neither_the_shape_nor_its_prefill_time() -> None:
+    """Batches 23 and 24 (session 29, one H100 host): 14B and 8B on the same unique prompts.
+    Were the part of a store a request pays set by how long the shape's prefill takes a
+    token, 8B would pay more of its copy than 14B and 14B more than 32B; 8B pays more than
+    14B, but 32B (batch 22, an H200 host) more than both, and 8B on this host a small part
+    of what batch 21's H200 host made it pay at four times the rate: no rule by shape, which
+    is why the what-if still charges the copy time (docs/gpu-acceptance.md, "What batches 23
+    and 24 measured")."""
+    names = [
+        "qwen3-8b-unique-idle-cpu64k",
+        "qwen3-14b-unique-idle-cpu64k",
+        "qwen3-14b-unique-cpu64k",
+        "qwen3-32b-unique-idle-cpu64k",
+        "qwen3-8b-unique-cpu64k",
+    ]
+    rows = latency_parts.table(MATRIX, names)
+    paid = {name: _store_paid(rows, name) for name in names}
+    cards = {
+        name: json.loads((MATRIX / name / "meta.json").read_text())["gpu"]["name"] for name in names
+    }
+    h100 = names[:3]
+    assert {cards[n] for n in h100} == {"NVIDIA H100 80GB HBM3"}
+    assert {cards[n] for n in names[3:]} == {"NVIDIA H200"}
+    assert (
+        len({json.loads((MATRIX / n / "meta.json").read_text())["gpu"]["uuid"] for n in h100}) == 1
+    )
+
+    def prefill_us_a_token(name: str) -> float:
+        base = rows[name]["base"]
+        sequence = json.loads((MATRIX / base / "meta.json").read_text())["workload"]["sequence"]
+        return float(
+            1e3
+            * rows[name]["base_ms"]["prefill"]
+            * sequence["requests"]
+            / sequence["prompt_tokens"]
+        )
+
+    idle = [
+        "qwen3-8b-unique-idle-cpu64k",
+        "qwen3-14b-unique-idle-cpu64k",
+        "qwen3-32b-unique-idle-cpu64k",
+    ]
+    # Prefill per token orders the shapes 8B < 14B < 32B ...
+    assert [prefill_us_a_token(n) for n in idle] == sorted(prefill_us_a_token(n) for n in idle)
+    # ... and the part of its copy a lone request paid does not fall along it.
+    assert paid["qwen3-8b-unique-idle-cpu64k"] > paid["qwen3-14b-unique-idle-cpu64k"]
+    assert paid["qwen3-32b-unique-idle-cpu64k"] > paid["qwen3-14b-unique-idle-cpu64k"]
+    # Every one of them paid well under its copy; 8B on the H200 host at four times the rate
+    # paid more than its copy, over five times what it paid here.
+    assert all(0 < paid[n] < 0.5 for n in [*idle, "qwen3-14b-unique-cpu64k"])
+    assert paid["qwen3-8b-unique-cpu64k"] > max(1.0, 5 * paid["qwen3-8b-unique-idle-cpu64k"])
 
 
 def _req(

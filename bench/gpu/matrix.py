@@ -655,7 +655,11 @@ class Driver:
         )
         self.link = {} if self.o.cpu_smoke else nvml_link()
         write_json(envdir / "nvml_link.json", self.link)
-        plan = mk.plan_session(scenarios, self.left() - 30)
+        plan = mk.plan_session(
+            scenarios,
+            self.left() - 30,
+            gpu_capacity_bytes=mk.gpu_capacity_bytes(self.link.get("memory_total_bytes")),
+        )
         self.status["plan"] = {
             "groups": plan.groups,
             "skipped": plan.skipped,
@@ -1150,7 +1154,8 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 def cmd_plan(a: argparse.Namespace) -> int:
     scs = _scenarios(a)
-    plan = mk.plan_session(scs, a.budget)
+    total = int(a.gpu_memory_gib * mk.GIB) if a.gpu_memory_gib else None
+    plan = mk.plan_session(scs, a.budget, gpu_capacity_bytes=mk.gpu_capacity_bytes(total))
     print(json.dumps({"groups": plan.groups, "skipped": plan.skipped, "est_s": plan.est_total_s}))
     return 0
 
@@ -1282,6 +1287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("plan")
     with_runs(p)
     p.add_argument("--budget", type=float, default=1300)
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="plan for a GPU of this much memory (default: the H200's, as the driver on one)",
+    )
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("show", help="request-sequence statistics per scenario")

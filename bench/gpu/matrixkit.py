@@ -601,6 +601,20 @@ class Plan:
 
 TURN_OVERHEAD_S = 15.0  # warmup, drain, settle, stop, write
 
+# What the servers of one group may take of the GPU together: 125 GB of the H200's 150.75 (the
+# rest is CUDA contexts, graphs and activations beyond shapes.json's estimates, which held on
+# every H200 session), and the same share of a smaller card (session 29 was offered an H100,
+# 85.5 GB, on which three 14B servers of 38 GiB would not start).
+GPU_CAPACITY_BYTES = 125 * 10**9
+GPU_CAPACITY_SHARE = 0.83
+
+
+def gpu_capacity_bytes(memory_total_bytes: int | None) -> int:
+    """Planning capacity for a GPU of this much memory (NVML's total; None: the H200's)."""
+    if not memory_total_bytes:
+        return GPU_CAPACITY_BYTES
+    return min(GPU_CAPACITY_BYTES, int(memory_total_bytes * GPU_CAPACITY_SHARE))
+
 
 def turn_estimate(sc: Scenario) -> float:
     return sc.traffic_s + TURN_OVERHEAD_S
@@ -610,7 +624,7 @@ def plan_session(
     scenarios: Sequence[Scenario],
     budget_s: float,
     *,
-    gpu_capacity_bytes: int = 125 * 10**9,
+    gpu_capacity_bytes: int = GPU_CAPACITY_BYTES,
     host_pinned_limit_bytes: int = 80 * GIB,
     max_group: int = 8,
 ) -> Plan:
