@@ -13,6 +13,7 @@ import pytest
 
 from bench import latency_parts
 from bench.advice_eval import MATRIX
+from exporter.model.derive.compute import computed_token_floor
 from exporter.vllm_metrics import SERIES
 
 
@@ -269,3 +270,38 @@ def test_the_command_prints_json_or_a_table(capsys: pytest.CaptureFixture[str]) 
     assert latency_parts.main([str(MATRIX), "qwen3-32b-chat-graphs-none"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 3 and out[2].startswith("| qwen3-32b-chat-graphs-none | 0.2 | 327.3 |")
+
+
+def test_engines_near_their_compute_floor_paid_a_small_part_of_a_store() -> None:
+    """The table in docs/gpu-acceptance.md ("What batches 23 and 24 measured"): on the unique
+    prompts, how near a run without offload prefilled to its compute floor (the exporter's
+    computed-token floor from meta.json's weight bytes and GPU, over vLLM's prefill time)
+    against what a lone request then paid for the stores. Near the floor every engine paid
+    well under its copy, on either host; 0.6B, far from it, paid more than its copy. The
+    middle (busy 8B and 32B engines) is left out: there it does not order them."""
+    names = [
+        "qwen3-0.6b-unique-cpu64k",
+        "qwen3-0.6b-unique-graphs-cpu64k",
+        "qwen3-32b-unique-idle-cpu64k",
+        "qwen3-14b-unique-cpu64k",
+        "qwen3-14b-unique-idle-cpu64k",
+        "qwen3-8b-unique-idle-cpu64k",
+    ]
+    rows = latency_parts.table(MATRIX, names)
+    near: dict[str, float] = {}
+    for name in names:
+        meta = json.loads((MATRIX / rows[name]["base"] / "meta.json").read_text())
+        sequence = meta["workload"]["sequence"]
+        floor = computed_token_floor(meta["model_weight_bytes"], [meta["gpu"]["name"]])
+        assert floor is not None
+        per_request_s = floor * sequence["prompt_tokens"] / sequence["requests"]
+        near[name] = per_request_s / (rows[name]["base_ms"]["prefill"] / 1e3)
+    paid = {name: _store_paid(rows, name) for name in names}
+    close = [n for n in names if near[n] >= 0.6]
+    far = [n for n in names if near[n] < 0.1]
+    assert sorted(close + far) == sorted(names)
+    assert {json.loads((MATRIX / n / "meta.json").read_text())["gpu"]["name"] for n in close} == {
+        "NVIDIA H100 80GB HBM3",
+        "NVIDIA H200",
+    }
+    assert max(paid[n] for n in close) < 0.5 < 1.0 < min(paid[n] for n in far)

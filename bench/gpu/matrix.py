@@ -1291,7 +1291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gpu-memory-gib",
         type=float,
         default=None,
-        help="plan for a GPU of this much memory (default: the H200's, as the driver on one)",
+        help="plan for a GPU of this much memory (default: an H200; on the device the driver "
+        "plans for the memory NVML reports)",
     )
     p.set_defaults(fn=cmd_plan)
 
