@@ -19,8 +19,10 @@ on too, which a price per loaded token does not show (session 24: 63 % of 32B ch
 at 16 GiB went to requests that loaded nothing). The rest split again by whether each arrived
 alone or behind another request (session 27: on unique prompts the stores cost 0.6B and 8B
 about their copy time on every request, alone or not, and 32B at 4 requests/s none; session
-28: 32B at 1 request/s, its engine idle, a quarter of it). The numbers
-docs/gpu-acceptance.md quotes per session (sessions 22-28) come from here, and where a
+28: 32B at 1 request/s, its engine idle, a quarter of it; session 29: 14B and 8B on an H100
+host a tenth to a fifth, whatever the shape). Per recording, how near its prefill ran to the
+compute floor (`floor_share`), which nearly orders those shares. The numbers
+docs/gpu-acceptance.md quotes per session (sessions 22-29) come from here, and where a
 recording has NVML samples (batch 21 on) how busy the GPU was and what it sent to the host.
 """
 
@@ -36,6 +38,7 @@ from typing import Any
 from bench.advice_eval import MATRIX
 from bench.common import markdown_table, recording_metas, recordings_parser
 from exporter import expfmt
+from exporter.model.derive.compute import computed_token_floor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import matrixkit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
@@ -190,11 +193,28 @@ def _ms(parts: dict[str, float] | None) -> dict[str, float] | None:
     return {k: round(v * 1e3, 2) for k, v in parts.items()} if parts is not None else None
 
 
+def floor_share(meta: Mapping[str, Any], ms: Mapping[str, float] | None) -> float | None:
+    """How near a recording's prefill ran to its compute floor: the exporter's computed-token
+    floor (weight bytes over the GPU's dense peak) times the tokens a request computed, over
+    vLLM's mean prefill time. Near 1 the steps are the GPU's; far below, the CPU's, or shared
+    with other requests' (session 29: engines at 0.6 or more paid a quarter of a store's copy
+    or less, docs/gpu-acceptance.md "What batches 23 and 24 measured"). None without the
+    weight bytes, a GPU the floor knows, or a prefill time."""
+    totals = meta.get("totals") or {}
+    requests = int(totals.get("requests") or 0)
+    computed = int(totals.get("prompt_tokens") or 0) - int(totals.get("cached_tokens") or 0)
+    name = (meta.get("gpu") or {}).get("name")
+    floor = computed_token_floor(meta.get("model_weight_bytes"), [name] if name else [])
+    if floor is None or not ms or ms["prefill"] <= 0 or requests <= 0 or computed <= 0:
+        return None
+    return round(floor * computed / requests / (ms["prefill"] / 1e3), 3)
+
+
 def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """Per recording (every one under `root`, or `names`): "ms", its parts in milliseconds,
-    and "gpu" where it has NVML samples (`gpu_means`); per offload run also "base" (its run
-    without offload), "base_ms", "change_ms" and "spread" (who the saving went to,
-    `spread`)."""
+    "floor_share" where its meta.json allows (`floor_share`) and "gpu" where it has NVML
+    samples (`gpu_means`); per offload run also "base" (its run without offload), "base_ms",
+    "base_floor_share", "change_ms" and "spread" (who the saving went to, `spread`)."""
     metas = recording_metas(root, names)
     parts: dict[str, dict[str, float] | None] = {}
 
@@ -206,12 +226,18 @@ def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str,
     out: dict[str, dict[str, Any]] = {}
     for name in names or sorted(metas):
         row: dict[str, Any] = {"ms": of(name)}
+        share = floor_share(metas[name], row["ms"])
+        if share is not None:
+            row["floor_share"] = share
         if (root / name / "gpu.jsonl.xz").exists():
             row["gpu"] = gpu_means(root / name, matrixkit.load_requests(root / name))
         base = matrixkit.base_run(metas, name) if metas[name].get("offload") else None
         if base is not None:
             mine, theirs = row["ms"], of(base)
             row.update(base=base, base_ms=theirs)
+            share = floor_share(metas[base], theirs)
+            if share is not None:
+                row["base_floor_share"] = share
             if mine is not None and theirs is not None:
                 row["change_ms"] = {k: round(mine[k] - theirs[k], 2) for k in COLUMNS}
             row["spread"] = spread(
@@ -249,9 +275,13 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
             each("behind"),
         ]
 
+    def near(share: float | None) -> str:
+        return f"{share:.2f}" if share is not None else "-"
+
     header = [
         "run",
         *COLUMNS,
+        "prefill at the compute floor",
         "base",
         *(f"change {k}" for k in COLUMNS),
         "loaders",
@@ -267,6 +297,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
         [
             name,
             *cells(r["ms"]),
+            near(r.get("floor_share")),
             r.get("base", "-"),
             *cells(r.get("change_ms"), signed=True),
             *who(r.get("spread")),
