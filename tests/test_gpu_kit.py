@@ -652,6 +652,13 @@ def test_matrix_scenarios_are_data() -> None:
             sc.offload,
             sc.pair,
         )
+    # controls.json's batch 26: the eager 8B bursts' 16 GiB pair again, on one host.
+    rep = SCENARIOS["qwen3-8b-concurrent-cpu16g-rep"]
+    assert rep.pair == SCENARIOS["qwen3-8b-concurrent-none-rep2"].pair
+    assert (rep.offload, rep.pair) == (
+        SCENARIOS["qwen3-8b-concurrent-cpu16g"].offload,
+        SCENARIOS["qwen3-8b-concurrent-none"].pair,
+    )
     for n in idle:
         sc, busy = SCENARIOS[n], SCENARIOS[n.replace("-idle", "")]
         assert sc.workload.params["rate_per_s"] == busy.workload.params["rate_per_s"] / 4
