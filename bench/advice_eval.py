@@ -206,22 +206,30 @@ def _pairs(
     offload run with the run without offload it is compared with (matrixkit.base_run); for a
     run without offload the pairs it is the base of, and at sizes where it is the base of
     none, the offload runs of its own machine (a replicate: the same sequence on the same
-    GPU as the run they are based on)."""
+    GPU as the run they are based on). Where a size has several pairs (a pair recorded again
+    on another machine, `-rep`), an offload run keeps its own at its size, and elsewhere
+    the one of its machine, else the one recorded nearest in time: each run is judged by
+    what its own machine measured."""
     by_name = {r.name: r for r in runs}
     same = [r for r in runs if metas[r.name].get("pair") == metas[run.name].get("pair")]
     without = _offload_bytes(metas[run.name]) is None
-    out: dict[float, tuple[Path, Path]] = {}
-    also: dict[float, tuple[Path, Path]] = {}
+    t = matrixkit.traffic_start(metas[run.name])
+    found: dict[float, tuple[tuple[int, float, str], tuple[Path, Path]]] = {}
     for on in same:
         size = _offload_bytes(metas[on.name])
         base = matrixkit.base_run(metas, on.name) if size is not None else None
         if size is None or base is None:
             continue
-        if not without or base == run.name:
-            out[size] = (by_name[base], on)
-        elif matrixkit.same_machine(metas[run.name], metas[on.name]):
-            also[size] = (run, on)
-    return {**also, **out}
+        mine = on == run or base == run.name
+        here = matrixkit.same_machine(metas[run.name], metas[on.name])
+        if without and not mine and not here:
+            continue
+        pair = (by_name[base], on) if not without or mine else (run, on)
+        dt = abs(matrixkit.traffic_start(metas[on.name]) - t)
+        key = (0 if mine else 1 if here else 2, dt, on.name)
+        if size not in found or key < found[size][0]:
+            found[size] = (key, pair)
+    return {size: pair for size, (_, pair) in found.items()}
 
 
 def _elsewhere(

@@ -198,7 +198,7 @@ def floor_share(meta: Mapping[str, Any], ms: Mapping[str, float] | None) -> floa
     floor (weight bytes over the GPU's dense peak) times the tokens a request computed, over
     vLLM's mean prefill time. Near 1 the steps are the GPU's; far below, the CPU's, or shared
     with other requests' (session 29: engines at 0.6 or more paid a quarter of a store's copy
-    or less, docs/gpu-acceptance.md "What batches 23 and 24 measured"). None without the
+    or less, docs/gpu-acceptance.md "What batches 23 to 25 measured"). None without the
     weight bytes, a GPU the floor knows, or a prefill time."""
     totals = meta.get("totals") or {}
     requests = int(totals.get("requests") or 0)

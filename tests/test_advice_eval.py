@@ -10,6 +10,7 @@ import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -391,10 +392,13 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
 
 
 @unmet_goal(
-    "18 of 66 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
+    "19 of 68 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
     "session 28's two, 32B chat at 24 GiB (+0.940 for +1.024) and 32B unique prompts at "
-    "1 request/s (-0.009 for -0.002), and session 29's three, 14B and 8B unique prompts on an "
-    "H100 host (-0.022 for -0.004, -0.005 and -0.005 for -0.001), are within; since "
+    "1 request/s (-0.009 for -0.002), session 29's three, 14B and 8B unique prompts on an "
+    "H100 host (-0.022 for -0.004, -0.005 and -0.005 for -0.001), and session 30's 8B unique "
+    "prompts at 4 requests/s again (-0.021 for -0.012) are within; session 30's eager 8B "
+    "bursts' 16 GiB pair again misses (+0.101 for +0.046: a request that loaded saved itself "
+    "nothing, eager, where with CUDA graphs each saved 9-46 ms); since "
     "session 26 the hits' saving is a queue's, "
     "which brought in 32B chat at 16 GiB from both eager runs and the graphs run (+0.420, "
     "+0.432, +0.424 for +0.482, +0.490, +0.465; linear +0.265 to +0.283) and the held-out "
@@ -402,7 +406,8 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
     "control (+0.155 for +0.121), 32B RAG-Zipf at 32 GiB from its control and at 48 GiB from "
     "the replicate (+0.077 for +0.048, +0.102 for +0.069) and 8B concurrent with CUDA graphs "
     "at 9 GiB (+0.055 for +0.033); its mean absolute error fell from 0.047 to 0.029 s/s): "
-    "8B concurrent at 27 GiB, at 16 GiB from its control and at 9 and 27 GiB from the "
+    "8B concurrent at 27 GiB, at 16 GiB from its control and from the second replicate "
+    "(batch 26, another machine) and at 9 and 27 GiB from the "
     "replicate, predicted +0.073 to +0.142 s/s, measured -0.023 to +0.069 (bursts: vLLM's "
     "prefill time fell 126 us per loaded token, not the 195 us the TTFT fit prices a hit at, "
     "and requests that loaded nothing went into the loaders' later step; with CUDA graphs "
@@ -519,6 +524,39 @@ def test_a_replicate_without_offload_pairs_with_the_offload_runs_of_its_machine(
     assert {p.size_bytes for p in rep.predictions} == {9 * GIB}
     assert rep.verified and rep.truth == first.truth
     assert evals["qwen3-8b-rag-zipf-none-ctl"].predictions == ()
+
+
+def test_a_pair_recorded_again_elsewhere_leaves_each_run_its_own_truth(
+    tmp_path: Path,
+) -> None:
+    """A pair recorded again on another machine (`-rep`, batch 26): two offload runs of one
+    size. Each is judged by its own pair, not by whichever of them sorts last: here the
+    replicate's TTFTs are cut by a fifth, so it pays, and the first pair still costs."""
+    pair = ("qwen3-8b-rag-zipf-none", "qwen3-8b-rag-zipf-cpu64k")
+    for name in pair:
+        shutil.copytree(MATRIX / name, tmp_path / name)
+        rep = tmp_path / name.replace("-none", "-none-rep").replace("-cpu64k", "-cpu64k-rep")
+        shutil.copytree(MATRIX / name, rep)
+        meta = json.loads((rep / "meta.json").read_text())
+        meta["traffic"]["t_traffic_start"] += 86_400.0  # a day later, on another machine
+        (rep / "meta.json").write_text(json.dumps(meta))
+
+    def faster(row: dict[str, Any]) -> None:
+        if row.get("ttft_s") is not None:
+            row["ttft_s"] *= 0.8
+
+    _rewrite_requests(tmp_path / "qwen3-8b-rag-zipf-cpu64k-rep", faster)
+    evals = {e.run: e for e in evaluate(tmp_path)}
+    assert {run: e.truth for run, e in evals.items()} == {
+        "qwen3-8b-rag-zipf-none": "costs",
+        "qwen3-8b-rag-zipf-cpu64k": "costs",
+        "qwen3-8b-rag-zipf-none-rep": "pays",
+        "qwen3-8b-rag-zipf-cpu64k-rep": "pays",
+    }
+    # Each run without offload predicts what enabling measured on its own machine.
+    for run, measured in (("none", "costs"), ("none-rep", "pays")):
+        (p,) = evals[f"qwen3-8b-rag-zipf-{run}"].predictions
+        assert (p.measured > 0) == (measured == "pays")
 
 
 def test_judging_follows_the_definition() -> None:
