@@ -234,8 +234,8 @@ def test_in_eager_bursts_the_requests_that_loaded_saved_themselves_nothing() -> 
     request that loaded saved itself a few ms or lost them, on either card; served with CUDA
     graphs each saved itself more than any eager one. The what-if charges a load the same
     wait in both (view.StepSharing.load_wait_share) and so over-predicts the eager bursts
-    (+0.101 s/s for the +0.046 batch 26 measured; docs/gpu-acceptance.md, "What batch 26
-    measured")."""
+    (+0.101 s/s for the +0.046 batch 26 measured; docs/gpu-acceptance.md, "The eager 8B
+    bursts again")."""
     eager = [
         "qwen3-8b-concurrent-cpu16g-rep",
         "qwen3-8b-concurrent-cpu16g",
@@ -248,7 +248,7 @@ def test_in_eager_bursts_the_requests_that_loaded_saved_themselves_nothing() -> 
         "qwen3-8b-concurrent-graphs-cpu192k",
     ]
     rows = latency_parts.table(MATRIX, eager + graphs)
-    each = {}
+    each: dict[str, float] = {}
     for name in eager + graphs:
         sp = rows[name]["spread"]
         assert sp["loaders"] > 0.15 * sp["requests"]
