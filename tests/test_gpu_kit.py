@@ -652,13 +652,27 @@ def test_matrix_scenarios_are_data() -> None:
             sc.offload,
             sc.pair,
         )
-    # controls.json's batch 26: the eager 8B bursts' 16 GiB pair again, on one host.
-    rep = SCENARIOS["qwen3-8b-concurrent-cpu16g-rep"]
-    assert rep.pair == SCENARIOS["qwen3-8b-concurrent-none-rep2"].pair
-    assert (rep.offload, rep.pair) == (
-        SCENARIOS["qwen3-8b-concurrent-cpu16g"].offload,
-        SCENARIOS["qwen3-8b-concurrent-none"].pair,
-    )
+    # controls.json's batches 26 and 27: the eager 8B bursts' 16 GiB pair and the eager 0.6B
+    # bursts' 7 GiB pair again, each on one host.
+    for rep_name, none_rep, first in (
+        (
+            "qwen3-8b-concurrent-cpu16g-rep",
+            "qwen3-8b-concurrent-none-rep2",
+            "qwen3-8b-concurrent-cpu16g",
+        ),
+        (
+            "qwen3-0.6b-concurrent-cpu64k-rep",
+            "qwen3-0.6b-concurrent-none-rep",
+            "qwen3-0.6b-concurrent-cpu64k",
+        ),
+    ):
+        rep = SCENARIOS[rep_name]
+        assert rep.pair == SCENARIOS[none_rep].pair == SCENARIOS[first].pair
+        assert (rep.offload, rep.workload, rep.vllm_args) == (
+            SCENARIOS[first].offload,
+            SCENARIOS[first].workload,
+            SCENARIOS[first].vllm_args,
+        )
     for n in idle:
         sc, busy = SCENARIOS[n], SCENARIOS[n.replace("-idle", "")]
         assert sc.workload.params["rate_per_s"] == busy.workload.params["rate_per_s"] / 4
