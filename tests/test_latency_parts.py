@@ -130,6 +130,14 @@ def _store_paid(rows: dict[str, dict[str, Any]], name: str) -> float:
     return float(-sp["alone_saved_ms"] / copy_ms)
 
 
+def _stores_paid(
+    names: list[str],
+) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """latency_parts' rows of the recordings, and each one's `_store_paid`."""
+    rows = latency_parts.table(MATRIX, names)
+    return rows, {name: _store_paid(rows, name) for name in names}
+
+
 def test_an_idle_32b_engine_still_hides_most_of_a_store() -> None:
     """Batch 22 (session 28): 32B unique prompts at a quarter of the rate, the engine idle
     between requests. Its requests that arrived alone paid well under their prompt's copy
@@ -140,8 +148,7 @@ def test_an_idle_32b_engine_still_hides_most_of_a_store() -> None:
         "qwen3-8b-unique-graphs-cpu64k",
         "qwen3-0.6b-unique-graphs-cpu64k",
     ]
-    rows = latency_parts.table(MATRIX, names)
-    paid = {name: _store_paid(rows, name) for name in names}
+    rows, paid = _stores_paid(names)
     idle = rows["qwen3-32b-unique-idle-cpu64k"]
     # Idle: most requests arrived alone, the GPU busy a small part of the time.
     assert idle["spread"]["alone"] > 4 * idle["spread"]["behind"]
@@ -158,7 +165,7 @@ def test_the_part_of_a_store_paid_follows_neither_the_shape_nor_its_prefill_time
     14B, but 32B (batch 22, an H200 host) more than both, and 8B on this host a small part
     of what batch 21's H200 host made it pay at four times the rate: no rule by shape, which
     is why the what-if still charges the copy time (docs/gpu-acceptance.md, "What batches 23
-    and 24 measured")."""
+    to 25 measured")."""
     names = [
         "qwen3-8b-unique-idle-cpu64k",
         "qwen3-14b-unique-idle-cpu64k",
@@ -166,8 +173,7 @@ def test_the_part_of_a_store_paid_follows_neither_the_shape_nor_its_prefill_time
         "qwen3-32b-unique-idle-cpu64k",
         "qwen3-8b-unique-cpu64k",
     ]
-    rows = latency_parts.table(MATRIX, names)
-    paid = {name: _store_paid(rows, name) for name in names}
+    rows, paid = _stores_paid(names)
     cards = {
         name: json.loads((MATRIX / name / "meta.json").read_text())["gpu"]["name"] for name in names
     }
@@ -217,8 +223,7 @@ def test_a_busy_8b_engine_paid_more_of_a_store_than_an_idle_one_on_either_card()
         "qwen3-8b-unique-cpu192k",
         "qwen3-8b-unique-cpu64k",
     ]
-    rows = latency_parts.table(MATRIX, names)
-    paid = {name: _store_paid(rows, name) for name in names}
+    _, paid = _stores_paid(names)
     gpus = {name: json.loads((MATRIX / name / "meta.json").read_text())["gpu"] for name in names}
     assert [gpus[n]["name"] for n in names] == ["NVIDIA H100 80GB HBM3"] * 2 + ["NVIDIA H200"] * 2
     assert len({gpus[n]["uuid"] for n in names}) == 4
@@ -349,7 +354,7 @@ def test_engines_near_their_compute_floor_paid_a_small_part_of_a_store() -> None
         and json.loads((d / "meta.json").read_text()).get("offload") is not None
     )
     assert len(names) >= 13
-    rows = latency_parts.table(MATRIX, names)
+    rows, paid = _stores_paid(names)
     near = {name: rows[name]["base_floor_share"] for name in names}
     for name in names:
         # The same quotient by hand: the floor from meta.json's weight bytes and GPU, the
@@ -361,7 +366,6 @@ def test_engines_near_their_compute_floor_paid_a_small_part_of_a_store() -> None
         per_request_s = floor * sequence["prompt_tokens"] / sequence["requests"]
         by_hand = per_request_s / (rows[name]["base_ms"]["prefill"] / 1e3)
         assert near[name] == pytest.approx(by_hand, abs=0.002)
-    paid = {name: _store_paid(rows, name) for name in names}
     close = [n for n in names if near[n] >= 0.6]
     below = [n for n in names if near[n] < 0.6]
     assert len(close) >= 4 and len(below) >= 9
