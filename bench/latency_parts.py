@@ -21,8 +21,9 @@ alone or behind another request (session 27: on unique prompts the stores cost 0
 about their copy time on every request, alone or not, and 32B at 4 requests/s none; session
 28: 32B at 1 request/s, its engine idle, a quarter of it; session 29: 14B and 8B on an H100
 host a tenth to a fifth, whatever the shape). Per recording, how near its prefill ran to the
-compute floor (`floor_share`), which nearly orders those shares. The numbers
-docs/gpu-acceptance.md quotes per session (sessions 22-29) come from here, and where a
+compute floor (`floor_share`): at 0.6 of it or nearer those shares stayed under a quarter of
+a copy; below it they do not follow it (session 30, all thirteen unique-prompt pairs). The
+numbers docs/gpu-acceptance.md quotes per session (sessions 22-30) come from here, and where a
 recording has NVML samples (batch 21 on) how busy the GPU was and what it sent to the host.
 """
 
