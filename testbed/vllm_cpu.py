@@ -75,6 +75,7 @@ class VllmServer:
     replay_endpoint: str | None = None
     port: int = field(default_factory=free_port)
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # over os.environ and the CPU settings
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -143,6 +144,7 @@ class VllmServer:
                 "TOKENIZERS_PARALLELISM": "false",
             }
         )
+        env.update(self.env)
         self.proc = start(self.command(), self.log_path, env=env)
         return self
 

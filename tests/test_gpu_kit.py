@@ -627,7 +627,8 @@ def test_matrix_scenarios_are_data() -> None:
     # family, so that its runs are never compared with the matrix's eager ones.
     # Session 22: six recorded; session 23: two closing their loop and 32B chat's pair;
     # session 24 its 32 GiB loop; session 27 8B and 0.6B unique (batch 21, what hides a store).
-    assert len(graphs) == 16
+    # steps.json (batch 28, staged in session 31): the 8B bursts with graphs, step-logged.
+    assert len(graphs) == 18
     # idle.json (batch 22), stores.json's idle pair (batch 23) and machine.json's (batch 24,
     # 8B on batch 23's H100 host): unique prompts at a quarter of the rate, each its own pair
     # family, so that an engine's load is told from its shape.
@@ -672,6 +673,19 @@ def test_matrix_scenarios_are_data() -> None:
             SCENARIOS[first].offload,
             SCENARIOS[first].workload,
             SCENARIOS[first].vllm_args,
+        )
+    # steps.json's batch 28: three burst pairs again with the engine-step log, nothing else
+    # changed (the log is bench evidence: the same pair family, the same work).
+    steps = [n for n in SCENARIOS if n.endswith("-steps")]
+    assert len(steps) == 6 and all(SCENARIOS[n].step_log for n in steps)
+    assert not any(s.step_log for n, s in SCENARIOS.items() if n not in steps)
+    for n in steps:
+        sc, first = SCENARIOS[n], SCENARIOS[n.removesuffix("-steps")]
+        assert (sc.workload, sc.vllm_args, sc.offload, sc.pair) == (
+            first.workload,
+            first.vllm_args,
+            first.offload,
+            first.pair,
         )
     for n in idle:
         sc, busy = SCENARIOS[n], SCENARIOS[n.replace("-idle", "")]

@@ -63,6 +63,7 @@ if str(HERE) not in sys.path:
 import acceptance as acc  # noqa: E402
 import gpukit  # noqa: E402
 import matrixkit as mk  # noqa: E402
+import steplog  # noqa: E402
 
 T0 = time.monotonic()
 LOG_FH: Any = None
@@ -415,6 +416,8 @@ class Driver:
         if self.o.cpu_smoke:
             run.cmd = cpu_smoke_command(run.cmd)
         run.env = vllm_env(os.environ, gpu=not self.o.cpu_smoke)
+        if sc.step_log:
+            run.env = step_log_env(run.env, self.o.work, self.o.kit, run.dir / "steps.jsonl")
         run.reqs = mk.generate(sc)
         return run
 
@@ -446,7 +449,9 @@ class Driver:
             + "".join(
                 f"{k}={run.env[k]}\n"
                 for k in sorted(run.env)
-                if k.startswith(("VLLM_", "PYTHONHASHSEED", "HF_", "NCCL_", "TORCH_", "OMP_"))
+                if k.startswith(
+                    ("VLLM_", "PYTHONHASHSEED", "HF_", "NCCL_", "TORCH_", "OMP_", "KVOE_")
+                )
                 or k == "PYTHONPATH"
             )
         )
@@ -591,6 +596,7 @@ class Driver:
             "format": "kvoe-recording/1",
             "scenario": sc.name,
             "pair": sc.pair,
+            "step_log": sc.step_log,
             "vllm_argv": run.cmd,
             "link_bandwidth_bytes_per_second": self.link.get("link_bandwidth_bytes_per_second"),
             "kv_bytes_per_token": sc.shape.kv_bytes_per_token,
@@ -752,6 +758,17 @@ def vllm_env(base: Mapping[str, str], *, gpu: bool) -> dict[str, str]:
     return env
 
 
+def step_log_env(env: Mapping[str, str], work: Path, kit: Path, out: Path) -> dict[str, str]:
+    """env with the engine-step log on (bench/gpu/steplog.py): a sitecustomize.py that loads
+    the kit's steplog.py, first on PYTHONPATH, and the file the engine writes to. Kept out of
+    the run's folder, which is packed whole."""
+    site = work / "steplog_site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(steplog.sitecustomize(str(kit / "steplog.py")))
+    parts = [str(site), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return {**env, "PYTHONPATH": os.pathsep.join(parts), steplog.ENV: str(out)}
+
+
 def cpu_smoke_command(cmd: list[str]) -> list[str]:
     """The GPU command made fit for the vLLM CPU server (smoke test here): no GPU KV bytes,
     float32, a fixed small block count."""
@@ -823,6 +840,8 @@ def cmd_finalize(a: argparse.Namespace) -> int:
         counts["requests"] = _xz_lines(d / "requests.jsonl", d / "requests.jsonl.xz", json.dumps)
     if (d / "gpu.jsonl").exists():
         counts["gpu"] = _xz_lines(d / "gpu.jsonl", d / "gpu.jsonl.xz", json.dumps)
+    if (d / "steps.jsonl").exists():
+        counts["steps"] = _xz_lines(d / "steps.jsonl", d / "steps.jsonl.xz", json.dumps)
     weights = None
     if (d / "server.log").exists():
         log_text = acc._read(d / "server.log", 64 << 20)
@@ -835,7 +854,7 @@ def cmd_finalize(a: argparse.Namespace) -> int:
         if weights is not None:
             meta["model_weight_bytes"] = weights
         write_json(meta_path, meta)
-    for raw in ("kv_events.jsonl", "requests.jsonl", "gpu.jsonl", "server.log"):
+    for raw in ("kv_events.jsonl", "requests.jsonl", "gpu.jsonl", "steps.jsonl", "server.log"):
         (d / raw).unlink(missing_ok=True)
     shutil.rmtree(d / "scrape", ignore_errors=True)
     for marker in d.glob("*.ready"):
@@ -1209,6 +1228,7 @@ def cmd_smoke(a: argparse.Namespace) -> int:
                     "traffic_s": a.traffic,
                     "max_model_len": 2048,
                     "vllm_args": [],
+                    "step_log": True,
                 }
             ]
         },

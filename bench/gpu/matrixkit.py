@@ -168,6 +168,9 @@ class Scenario:
     stretch: float = 1.5
     warmup_requests: int = 2
     pair: str = ""  # scenarios of one pair share it: same shape, workload, flags but offload
+    # The engine-step timeline (bench/gpu/steplog.py, steps.jsonl.xz): bench evidence only, so
+    # it leaves the pair as it is; a pair logs both its runs or neither.
+    step_log: bool = False
 
     @property
     def offload_tag(self) -> str:
@@ -252,6 +255,7 @@ def expand_matrix(
             warmup_requests=int(merged.get("warmup_requests", 2)),
             pair=f"{shape.name}-{wl.name}"
             + ("" if not extra_args else "-" + _args_tag(extra_args)),
+            step_log=bool(merged.get("step_log", False)),
         )
         if name in out and out[name] != sc:
             raise ValueError(f"two different scenarios named {name}")

@@ -1,0 +1,251 @@
+"""A burst's engine steps, per offload run of the bursts (`concurrent`) and its run without
+offload: what a request that loads its prefix from the CPU tier waits for.
+
+    PYTHONPATH=. .venv/bin/python -m bench.burst_steps [tests/fixtures/gpu/matrix] [RUN ...]
+        [--json]
+
+From the KV events, in every recording: vLLM publishes one batch of events per engine step
+that stored or removed a block, stamped when the scheduler takes the step's output back
+(`Scheduler.update_from_output`, vLLM 0.26 and 0.32), on the clock the client stamps its
+sends with (one host). The first batch with a GPU store after a burst's first send ends the
+first step that computed the burst's prompts ("first step", ms after the send). A request
+loaded where its cached tokens exceed its own in the run without offload (as in
+`bench.latency_parts`); per burst in which one did, how long after that first step the last
+loader got its first token, and the same requests in the run without offload (they computed
+their prefix there, in that step or the next). The loads' wait beyond the run without
+offload is that difference, the burst's loaders saved of their compute included.
+
+From the engine-step log where a recording has one (`steps.jsonl.xz`, `"step_log": true`
+scenarios since batch 28; bench/gpu/steplog.py): each step's model time (scheduler output
+planned to taken back), fitted on the tokens it computed (the intercept is what any step
+costs, the small one a loader's suffix takes included), and per loader the steps from its load
+job's submission to the worker reporting it done and to the step that computed its suffix.
+Steps that computed nothing are the log's `idle` count.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.advice_eval import MATRIX
+from bench.common import markdown_table, recording_metas, recordings_parser
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+import gpukit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
+import matrixkit  # type: ignore[import-not-found]
+
+
+def gpu_store_steps(run: Path) -> list[float]:
+    """The end of every step that stored a block on the GPU (its event batch's stamp)."""
+    out = []
+    for rec in gpukit.iter_jsonl(run / "kv_events.jsonl.xz"):
+        ts, events = rec["payload"][0], rec["payload"][1]
+        if any(e.get("type") == "BlockStored" and e.get("medium") == "GPU" for e in events):
+            out.append(float(ts))
+    return sorted(out)
+
+
+def _bursts(records: Iterable[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
+    out: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in records:
+        burst = (r.get("tags") or {}).get("burst")
+        if burst is not None and r.get("status") == 200:
+            out[int(burst)].append(r)
+    return out
+
+
+def _first_step(steps: Sequence[float], t: float) -> float | None:
+    k = bisect.bisect_left(steps, t)
+    return steps[k] - t if k < len(steps) else None
+
+
+def _ms(x: float) -> float:
+    return round(1000 * x, 1)
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return _ms(statistics.median(xs)) if xs else None
+
+
+def event_steps(base: Path, offload: Path) -> dict[str, Any]:
+    """Per pair of burst recordings: medians over the bursts in which a request loaded ("first
+    step" and "loaders after it", each without and with offload, in ms, and the difference of
+    the latter per burst) and the mean TTFT change of a request in the bursts without one."""
+    b_steps, o_steps = gpu_store_steps(base), gpu_store_steps(offload)
+    b_bursts = _bursts(matrixkit.load_requests(base))
+    o_bursts = _bursts(matrixkit.load_requests(offload))
+    first: dict[str, list[float]] = {"base": [], "offload": []}
+    after: dict[str, list[float]] = {"base": [], "offload": []}
+    waited: list[float] = []
+    loaders: list[int] = []
+    unloaded: list[float] = []
+    quiet = 0  # bursts in which no request loaded
+    for k in sorted(set(b_bursts) & set(o_bursts)):
+        bb = {r["i"]: r for r in b_bursts[k]}
+        oo = {r["i"]: r for r in o_bursts[k]}
+        if set(bb) != set(oo):
+            continue
+        mine = [i for i in oo if oo[i]["cached_tokens"] > bb[i]["cached_tokens"]]
+        if not mine:
+            unloaded += [oo[i]["ttft_s"] - bb[i]["ttft_s"] for i in oo]
+            quiet += 1
+            continue
+        spans = {}
+        for side, runs, steps in (("base", bb, b_steps), ("offload", oo, o_steps)):
+            t0 = min(r["t_send"] for r in runs.values())
+            f = _first_step(steps, t0)
+            if f is None:
+                break
+            last = max(runs[i]["t_send"] + runs[i]["ttft_s"] for i in mine) - t0
+            first[side].append(f)
+            spans[side] = last - f
+        if len(spans) < 2:
+            continue
+        after["base"].append(spans["base"])
+        after["offload"].append(spans["offload"])
+        waited.append(spans["offload"] - spans["base"])
+        loaders.append(len(mine))
+    return {
+        "bursts_loading": len(waited),
+        "loaders_per_burst": round(statistics.fmean(loaders), 2) if loaders else None,
+        "first_step_ms": {side: _median(v) for side, v in first.items()},
+        "loaders_after_ms": {side: _median(v) for side, v in after.items()},
+        "loaders_waited_more_ms": _median(waited),
+        "bursts_without_loads": quiet,
+        "without_loads_ttft_change_ms": _ms(statistics.fmean(unloaded)) if unloaded else None,
+    }
+
+
+# -- the engine-step log ----------------------------------------------------------------------
+
+
+def engine_steps(lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """From a step log's lines: the model time of a step on its tokens (least squares: ms at
+    no token, us a token), the median of the steps under 256 tokens, and per loader (a request
+    with a load job) the steps and ms from its load's submission to the step that reported
+    it done and to its first step that computed tokens (both from the submitting step's end)."""
+    steps = [s for s in lines if "i" in s]
+    busy = [s for s in steps if s["n"] > 0 and s.get("t1") is not None]
+    xs = [float(s["n"]) for s in busy]
+    ys = [float(s["t2"] - s["t1"]) for s in busy]
+    fit = None
+    if len(busy) >= 3 and max(xs) > min(xs):
+        slope, intercept = statistics.linear_regression(xs, ys)
+        fit = {"fixed_ms": _ms(intercept), "per_token_us": round(1e6 * slope, 2)}
+    small = [y for x, y in zip(xs, ys, strict=True) if x < 256]
+    job_of: dict[str, tuple[str, int]] = {}
+    for k, s in enumerate(steps):
+        for job, req in (s.get("load") or {}).items():
+            job_of[job] = (req, k)
+    done_at: dict[str, int] = {}
+    for k, s in enumerate(steps):
+        for job in s.get("done") or ():
+            if job in job_of:
+                done_at.setdefault(job, k)
+    spans = []
+    for job, (req, k) in job_of.items():
+        computed = next((j for j in range(k + 1, len(steps)) if req in steps[j]["r"]), None)
+        d = done_at.get(job)
+        if d is None or computed is None:
+            continue
+        spans.append(
+            {
+                "request": req,
+                "steps_to_done": d - k,
+                "steps_to_computed": computed - k,
+                "idle_steps": sum(int(steps[j].get("idle", 0)) for j in range(k + 1, computed + 1)),
+                "ms_to_done": _ms(steps[d]["t3"] - steps[k]["t3"]),
+                "ms_to_computed": _ms(steps[computed]["t3"] - steps[k]["t3"]),
+                "suffix_tokens": steps[computed]["r"][req],
+                "suffix_step_tokens": steps[computed]["n"],
+            }
+        )
+    return {
+        "steps": len(steps),
+        "idle_steps": sum(int(s.get("idle", 0)) for s in steps),
+        "step_time": fit,
+        "small_step_ms": _median(small),
+        "loads": len(job_of),
+        "loaders": spans,
+        "loader_medians": {
+            key: statistics.median(float(x[key]) for x in spans)
+            for key in ("steps_to_done", "steps_to_computed", "ms_to_done", "ms_to_computed")
+        }
+        if spans
+        else None,
+    }
+
+
+def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Per offload run of the bursts under `root` (or `names`): its base, `event_steps`, and
+    `engine_steps` of both where both have a step log."""
+    metas = recording_metas(root, names)
+    out: dict[str, dict[str, Any]] = {}
+    for name in names or sorted(metas):
+        meta = metas[name]
+        if not meta.get("offload") or (meta.get("workload") or {}).get("name") != "concurrent":
+            continue
+        base = matrixkit.base_run(metas, name)
+        if base is None:
+            continue
+        row: dict[str, Any] = {"base": base, **event_steps(root / base, root / name)}
+        logs = [root / n / "steps.jsonl.xz" for n in (base, name)]
+        if all(p.exists() for p in logs):
+            row["engine"] = {
+                side: engine_steps(gpukit.iter_jsonl(p))
+                for side, p in zip(("base", "offload"), logs, strict=True)
+            }
+        out[name] = row
+    return out
+
+
+def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
+    def v(x: object) -> str:
+        return "-" if x is None else f"{x}"
+
+    def signed(x: float | None) -> str:
+        return "-" if x is None else f"{x:+.1f}"
+
+    header = [
+        "offload run",
+        "base",
+        "bursts that loaded",
+        "loaders a burst",
+        "first step ms, without / with",
+        "loaders after it ms, without / with",
+        "loads waited more ms",
+        "bursts without loads: TTFT change a request ms (bursts)",
+    ]
+    body = [
+        [
+            name,
+            r["base"],
+            str(r["bursts_loading"]),
+            v(r["loaders_per_burst"]),
+            f"{v(r['first_step_ms']['base'])} / {v(r['first_step_ms']['offload'])}",
+            f"{v(r['loaders_after_ms']['base'])} / {v(r['loaders_after_ms']['offload'])}",
+            v(r["loaders_waited_more_ms"]),
+            f"{signed(r['without_loads_ttft_change_ms'])} ({r['bursts_without_loads']})",
+        ]
+        for name, r in rows.items()
+    ]
+    return markdown_table(header, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = recordings_parser(__doc__, MATRIX, "recordings under ROOT (default: all)")
+    a = ap.parse_args(argv)
+    rows = table(a.root, a.runs)
+    print(json.dumps(rows, indent=1) if a.json else markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""bench.burst_steps: a burst's steps from the KV events on the recorded bursts, and the
+engine-step log's reading (bench/gpu/steplog.py) on a log whose spans are known."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench import burst_steps
+from bench.advice_eval import MATRIX
+
+PAIRS = {
+    "qwen3-0.6b-concurrent-cpu64k": "qwen3-0.6b-concurrent-none",
+    "qwen3-0.6b-concurrent-cpu192k": "qwen3-0.6b-concurrent-none",
+    "qwen3-0.6b-concurrent-cpu64k-rep": "qwen3-0.6b-concurrent-none-rep",
+    "qwen3-0.6b-concurrent-graphs-cpu64k": "qwen3-0.6b-concurrent-graphs-none",
+}
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, dict[str, Any]]:
+    return burst_steps.table(MATRIX, [*PAIRS, *set(PAIRS.values())])
+
+
+def test_a_0_6b_loader_waits_steps_after_the_one_that_served_the_others(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    """docs/gpu-acceptance.md, "Steps in the KV events": without offload the requests that
+    would load got their first token with the step that served the rest of their burst (within
+    a few ms of its end); with the tier they waited tens of ms after it, on both card types,
+    eager more than with CUDA graphs. Every burst is 12 requests and its first step ends
+    after the send by the time the server takes to admit them."""
+    assert set(rows) == set(PAIRS)
+    for name, row in rows.items():
+        assert row["base"] == PAIRS[name]
+        assert row["bursts_loading"] >= 45 and 2 <= row["loaders_per_burst"] <= 4
+        without, with_ = row["loaders_after_ms"]["base"], row["loaders_after_ms"]["offload"]
+        assert without < 10 and with_ > without + 20, (name, without, with_)
+    graphs = rows["qwen3-0.6b-concurrent-graphs-cpu64k"]["loaders_waited_more_ms"]
+    eager = [r["loaders_waited_more_ms"] for n, r in rows.items() if "graphs" not in n]
+    assert min(eager) > 1.5 * graphs
+
+
+def _step(i: int, ms: float, r: dict[str, int], **more: Any) -> dict[str, Any]:
+    t0 = 100.0 + i / 10
+    return {
+        "i": i,
+        "t0": t0,
+        "t1": t0 + 0.001,
+        "t2": t0 + 0.001 + ms / 1000,
+        "t3": t0 + 0.002 + ms / 1000,
+        "n": sum(r.values()),
+        "r": r,
+        **more,
+    }
+
+
+def test_the_step_log_gives_a_steps_fixed_cost_and_each_loads_steps() -> None:
+    """A step's model time is 4 ms plus 20 us a token here; request b's load is submitted in
+    step 1 (nothing computed), reported done in step 2, and b computes its suffix in step 5,
+    after two idle steps folded into it."""
+    lines = [
+        {"pid": 1, "start": 99.0, "vllm": "0.26.0"},
+        _step(0, 4 + 0.02 * 1000, {"a": 1000}, store={"6": "a"}),
+        _step(1, 4, {}, load={"7": "b"}),
+        _step(2, 4 + 0.02 * 24, {"c": 24}, done=["6", "7"], recv=["b"]),
+        _step(3, 4 + 0.02 * 1, {"c": 1}),
+        _step(5, 4 + 0.02 * 41, {"b": 40, "c": 1}, idle=2, idle_t0=100.4),
+    ]
+    out = burst_steps.engine_steps(lines)
+    assert out["step_time"] == {"fixed_ms": pytest.approx(4.0), "per_token_us": pytest.approx(20)}
+    assert (out["steps"], out["idle_steps"], out["loads"]) == (5, 2, 1)
+    (b,) = out["loaders"]
+    assert (b["request"], b["steps_to_done"], b["steps_to_computed"], b["idle_steps"]) == (
+        "b",
+        1,
+        3,
+        2,
+    )
+    assert b["ms_to_done"] == pytest.approx(100.5, abs=1)  # step 2 ends 0.1 s after step 1
+    assert (b["suffix_tokens"], b["suffix_step_tokens"]) == (40, 41)
+    # A load never reported done is left out, not counted as instant.
+    lost = burst_steps.engine_steps([*lines, _step(6, 4, {}, load={"9": "x"})])
+    assert [x["request"] for x in lost["loaders"]] == ["b"] and lost["loads"] == 2
+
+
+def test_a_recording_without_a_step_log_has_no_engine_rows(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    assert all("engine" not in r for r in rows.values())
+    assert burst_steps.engine_steps([])["step_time"] is None
+
+
+def test_the_command_prints_the_docs_table_row(capsys: pytest.CaptureFixture[str]) -> None:
+    names = ["qwen3-0.6b-concurrent-cpu64k-rep", "qwen3-0.6b-concurrent-none-rep"]
+    assert burst_steps.main([str(MATRIX), *names]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row == (
+        "| qwen3-0.6b-concurrent-cpu64k-rep | qwen3-0.6b-concurrent-none-rep | 50 | 2.48 "
+        "| 80.0 / 93.5 | 7.6 / 51.3 | 43.3 | +6.0 (11) |"
+    )
+    assert burst_steps.main([str(MATRIX), *names, "--json"]) == 0
+    assert '"loaders_waited_more_ms": 43.3' in capsys.readouterr().out
