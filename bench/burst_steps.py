@@ -16,8 +16,9 @@ their prefix there, in that step or the next). The loads' wait beyond the run wi
 offload is that difference, the burst's loaders saved of their compute included.
 
 From the engine-step log where a recording has one (`steps.jsonl.xz`, `"step_log": true`
-scenarios since batch 28; bench/gpu/steplog.py): each step's model time (scheduler output
-planned to taken back), fitted on the tokens it computed (the intercept is what any step
+scenarios since batch 28; bench/gpu/steplog.py): each step's model time (from its plan, or
+from the previous step's output where vLLM's async scheduling planned it earlier, to its own
+output), fitted on the tokens it computed (the intercept is what any step
 costs, the small one a loader's suffix takes included), and per loader the steps from its load
 job's submission to the worker reporting it done and to the step that computed its suffix.
 Steps that computed nothing are the log's `idle` count.
@@ -132,11 +133,19 @@ def engine_steps(lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     with a load job) the steps and ms from its load's submission to the step that reported
     it done and to its first step that computed tokens (both from the submitting step's end)."""
     steps = [s for s in lines if "i" in s]
-    busy = [s for s in steps if s["n"] > 0 and s.get("t1") is not None]
-    xs = [float(s["n"]) for s in busy]
-    ys = [float(s["t2"] - s["t1"]) for s in busy]
+    # A step runs from its plan (t1) or the previous step's output (t2 before), whichever is
+    # later, to its output: with async scheduling (vLLM's default in 0.26) step k+1 is planned
+    # while step k still runs on the GPU, and waits for it.
+    xs: list[float] = []
+    ys: list[float] = []
+    prev_t2: float | None = None
+    for s in steps:
+        if s["n"] > 0 and s.get("t1") is not None:
+            xs.append(float(s["n"]))
+            ys.append(float(s["t2"] - max(s["t1"], prev_t2 or s["t1"])))
+        prev_t2 = s.get("t2", prev_t2)
     fit = None
-    if len(busy) >= 3 and max(xs) > min(xs):
+    if len(xs) >= 3 and max(xs) > min(xs):
         slope, intercept = statistics.linear_regression(xs, ys)
         fit = {"fixed_ms": _ms(intercept), "per_token_us": round(1e6 * slope, 2)}
     small = [y for x, y in zip(xs, ys, strict=True) if x < 256]

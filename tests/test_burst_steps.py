@@ -102,3 +102,20 @@ def test_the_command_prints_the_docs_table_row(capsys: pytest.CaptureFixture[str
     )
     assert burst_steps.main([str(MATRIX), *names, "--json"]) == 0
     assert '"loaders_waited_more_ms": 43.3' in capsys.readouterr().out
+
+
+def test_a_step_planned_while_the_last_ran_is_timed_from_the_last_ones_output() -> None:
+    """vLLM's async scheduling plans step k+1 before step k's output is back: step k+1's
+    model time starts when step k's output came, not at its own plan."""
+
+    def planned_early(i: int, t1: float, t2: float, n: int) -> dict[str, Any]:
+        return {"i": i, "t0": t1 - 0.001, "t1": t1, "t2": t2, "t3": t2 + 0.001, "n": n, "r": {}}
+
+    # Each step 2 ms plus 10 us a token, planned 1 ms after the previous one was.
+    lines, t2 = [], 10.0
+    for i, n in enumerate((100, 400, 50, 800)):
+        start = t2
+        t2 = start + 0.002 + 1e-5 * n
+        lines.append(planned_early(i, 10.0 + 0.001 * i, t2, n))
+    fit = burst_steps.engine_steps(lines)["step_time"]
+    assert fit == {"fixed_ms": pytest.approx(2.0), "per_token_us": pytest.approx(10.0)}

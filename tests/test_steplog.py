@@ -90,7 +90,13 @@ def test_a_line_holds_each_requests_tokens_and_the_connectors_transfers(tmp_path
         None,
         types.SimpleNamespace(
             kv_connector_output=types.SimpleNamespace(
-                kv_connector_worker_meta=types.SimpleNamespace(completed_jobs={1: 1, 2: 1}),
+                kv_connector_worker_meta=types.SimpleNamespace(
+                    completed_jobs={1: 1, 2: 1},
+                    transfer_stats=types.SimpleNamespace(
+                        load=types.SimpleNamespace(bytes=4096, time=0.0012),
+                        store=types.SimpleNamespace(bytes=0, time=0.0),
+                    ),
+                ),
                 finished_recving={"c"},
             )
         ),
@@ -111,6 +117,7 @@ def test_a_line_holds_each_requests_tokens_and_the_connectors_transfers(tmp_path
     # A step that only submitted a load, one that only saw transfers done: both kept.
     assert load["n"] == 0 and load["load"] == {"2": "c"}
     assert finished["done"] == ["1", "2"] and finished["recv"] == ["c"]
+    assert finished["xfer"] == {"load": [4096, 0.0012]}  # the store timed nothing: left out
     # The empty step between is folded into the next line.
     assert (last["i"], last["idle"], last["r"]) == (4, 1, {"c": 40})
     assert finished["t3"] <= last["idle_t0"] <= last["t0"]

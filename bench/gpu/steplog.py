@@ -5,7 +5,9 @@ loads from the CPU tier leaves the step it would have shared, waits for its copy
 its suffix in a later step (docs/gpu-acceptance.md, "The eager 8B bursts again"); what that
 later step costs, and how many steps the wait spans, no vLLM metric says, and the KV events
 only time the steps that stored a block. This records, per step, when the scheduler planned it
-and when it took the step's output back (the model's forward and sampling lie between), the
+and when it took the step's output back (the model's forward and sampling lie between; with
+vLLM's async scheduling, its default in 0.26, a step is planned while the one before it still
+runs, and starts when that one's output is back), the
 tokens each request computed, and the connector's transfer jobs submitted and completed, so a
 recording tells a loader's steps apart from the others'.
 
@@ -24,7 +26,9 @@ Lines (JSON, one a step; steps that did nothing are folded into the next line's 
    "new": requests scheduled the first time, "wait": requests waiting, "remote": of them
    waiting for their KV to load, "load"/"store": {job id: request id} submitted in the step,
    "done": job ids whose transfer the workers reported done, "recv": request ids whose load
-   the scheduler saw done, "idle": empty steps since the last line, "idle_t0": the first's t0}
+   the scheduler saw done, "xfer": {"load"|"store": [bytes, seconds]} the workers timed for
+   the copies they finished, "idle": empty steps since the last line, "idle_t0": the first's
+   t0}
   {"error": "...", "count": n}                                    a failure, once
 """
 
@@ -88,11 +92,11 @@ class StepLog:
         tokens = dict(getattr(out, "num_scheduled_tokens", None) or {})
         total = int(getattr(out, "total_num_scheduled_tokens", 0) or 0)
         load, store = _jobs(getattr(out, "kv_connector_metadata", None))
-        done, recv = _finished(getattr(model_out, "kv_connector_output", None))
+        done, recv, xfer = _finished(getattr(model_out, "kv_connector_output", None))
         with self.lock:
             i = self.index
             self.index += 1
-            if total == 0 and not (load or store or done or recv):
+            if total == 0 and not (load or store or done or recv or xfer):
                 if self.idle == 0:
                     self.idle_t0 = t0
                 self.idle += 1
@@ -109,7 +113,13 @@ class StepLog:
                 "wait": wait,
                 "remote": remote,
             }
-            for key, val in (("load", load), ("store", store), ("done", done), ("recv", recv)):
+            for key, val in (
+                ("load", load),
+                ("store", store),
+                ("done", done),
+                ("recv", recv),
+                ("xfer", xfer),
+            ):
                 if val:
                     rec[key] = val
             if self.idle:
@@ -152,13 +162,21 @@ def _jobs(meta: Any) -> tuple[dict[str, str], dict[str, str]]:
     return of("load_jobs"), of("store_jobs")
 
 
-def _finished(kv_out: Any) -> tuple[list[str], list[str]]:
+def _finished(kv_out: Any) -> tuple[list[str], list[str], dict[str, list[float]]]:
+    """Jobs the workers reported done, loads the scheduler saw done, and the copies' bytes and
+    seconds the workers timed ({"load"|"store": [bytes, s]}, where any)."""
     if kv_out is None:
-        return [], []
+        return [], [], {}
     worker = getattr(kv_out, "kv_connector_worker_meta", None)
     done = sorted(str(j) for j in (getattr(worker, "completed_jobs", None) or {}))
     recv = sorted(str(r) for r in (getattr(kv_out, "finished_recving", None) or ()))
-    return done, recv
+    stats = getattr(worker, "transfer_stats", None)
+    xfer = {}
+    for kind in ("load", "store"):
+        one = getattr(stats, kind, None)
+        if one is not None and (one.bytes or one.time):
+            xfer[kind] = [int(one.bytes), round(float(one.time), 6)]
+    return done, recv, xfer
 
 
 def patch(module: types.ModuleType, log: StepLog) -> bool:
