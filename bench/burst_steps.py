@@ -27,7 +27,6 @@ Steps that computed nothing are the log's `idle` count.
 from __future__ import annotations
 
 import bisect
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.advice_eval import MATRIX
-from bench.common import markdown_table, recording_metas, recordings_parser
+from bench.common import markdown_table, recording_metas, recordings_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import gpukit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
@@ -249,11 +248,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = recordings_parser(__doc__, MATRIX, "recordings under ROOT (default: all)")
-    a = ap.parse_args(argv)
-    rows = table(a.root, a.runs)
-    print(json.dumps(rows, indent=1) if a.json else markdown(rows))
-    return 0
+    return recordings_main(__doc__, MATRIX, table, markdown, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +74,18 @@ def recordings_parser(doc: str | None, root: Path, runs_help: str) -> argparse.A
     ap.add_argument("runs", nargs="*", help=runs_help)
     ap.add_argument("--json", action="store_true")
     return ap
+
+
+def recordings_main(
+    doc: str | None,
+    root: Path,
+    table: Callable[[Path, Sequence[str]], Mapping[str, Any]],
+    markdown: Callable[[Mapping[str, Any]], str],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """`main` of a matrix tool that prints one row per recording: `table(root, runs)` as
+    Markdown, or as JSON with --json."""
+    a = recordings_parser(doc, root, "recordings under ROOT (default: all)").parse_args(argv)
+    rows = table(a.root, a.runs)
+    print(json.dumps(rows, indent=1) if a.json else markdown(rows))
+    return 0

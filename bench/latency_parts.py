@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.advice_eval import MATRIX
-from bench.common import markdown_table, recording_metas, recordings_parser
+from bench.common import markdown_table, recording_metas, recordings_main
 from exporter import expfmt
 from exporter.model.derive.compute import computed_token_floor
 
@@ -310,11 +310,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = recordings_parser(__doc__, MATRIX, "recordings under ROOT (default: all)")
-    a = ap.parse_args(argv)
-    rows = table(a.root, a.runs)
-    print(json.dumps(rows, indent=1) if a.json else markdown(rows))
-    return 0
+    return recordings_main(__doc__, MATRIX, table, markdown, argv)
 
 
 if __name__ == "__main__":

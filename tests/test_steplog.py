@@ -142,6 +142,17 @@ def test_a_failing_log_never_reaches_the_engine(tmp_path: Path) -> None:
     assert log.errors == 2
 
 
+def run_python(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_the_sitecustomize_patches_the_scheduler_when_vllm_imports_it(tmp_path: Path) -> None:
     """In a fresh interpreter, as in vLLM's engine process: the generated sitecustomize loads
     the kit's steplog, which patches the scheduler module only once it is imported."""
@@ -182,14 +193,7 @@ def test_the_sitecustomize_patches_the_scheduler_when_vllm_imports_it(tmp_path: 
         "s = Scheduler(); print(s.update_from_output(s.schedule(), None))\n"
         "print(os.environ.get('SHADOWED_RAN'))\n"
     )
-    res = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    res = run_python(script, env)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["ok", "1"] and "not installed" not in res.stderr
     _, step = lines(out)
@@ -197,14 +201,7 @@ def test_the_sitecustomize_patches_the_scheduler_when_vllm_imports_it(tmp_path: 
     # Without the variable nothing is installed: the same interpreter, no log.
     env.pop(steplog.ENV)
     out.unlink()
-    res = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    res = run_python(script, env)
     assert res.returncode == 0 and res.stdout.split() == ["ok", "1"] and not out.exists()
 
 
