@@ -61,8 +61,8 @@ def fake_scheduler_module(plan: list[Out]) -> types.ModuleType:
         def schedule(self) -> Out:
             return next(self.steps)
 
-        def update_from_output(self, out: Out, model_out: Any) -> str:
-            return f"outputs of {sorted(out.num_scheduled_tokens)}"
+        def update_from_output(self, scheduler_output: Out, model_runner_output: Any) -> str:
+            return f"outputs of {sorted(scheduler_output.num_scheduled_tokens)}"
 
     module.Scheduler = Scheduler  # type: ignore[attr-defined]
     return module
@@ -235,3 +235,18 @@ def test_on_the_real_cpu_server_every_computed_token_is_in_a_step(tmp_path: Path
     read = burst_steps.engine_steps(recs)
     assert read["steps"] == len(steps) and read["loads"] == 0 and read["loaders"] == []
     assert read["step_time"] is not None and read["step_time"]["per_token_us"] > 0
+
+
+def test_the_outputs_taken_back_by_keyword_are_logged_too(tmp_path: Path) -> None:
+    out = tmp_path / "steps.jsonl"
+    module = fake_scheduler_module([Out({"a": 3}), Out({"b": 4})])
+    steplog.patch(module, steplog.StepLog(str(out)))
+    sched = module.Scheduler()
+    first = sched.schedule()
+    assert sched.update_from_output(first, model_runner_output=None) == "outputs of ['a']"
+    second = sched.schedule()
+    assert (
+        sched.update_from_output(scheduler_output=second, model_runner_output=None)
+        == "outputs of ['b']"
+    )
+    assert [x["r"] for x in lines(out) if "i" in x] == [{"a": 3}, {"b": 4}]

@@ -195,11 +195,13 @@ def patch(module: types.ModuleType, log: StepLog) -> bool:
             log.failed(exc)
         return out
 
-    def update_logged(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+    def update_logged(self: Any, *args: Any, **kwargs: Any) -> Any:
         t2 = time.time()
-        result = update(self, scheduler_output, model_runner_output)
+        result = update(self, *args, **kwargs)
         try:
-            log.step(scheduler_output, model_runner_output, t2, time.time())
+            named = ("scheduler_output", "model_runner_output")
+            out, model_out = (*args, *(kwargs.get(k) for k in named[len(args) :]))[:2]
+            log.step(out, model_out, t2, time.time())
         except Exception as exc:
             log.failed(exc)
         return result
