@@ -147,6 +147,7 @@ def test_batch_28s_loaders_computed_two_steps_after_their_load() -> None:
     assert waited["qwen3-0.6b-concurrent-cpu64k-steps"] == pytest.approx(
         small["loaders_waited_more_ms"], rel=0.25
     )
-    assert waited["qwen3-8b-concurrent-graphs-cpu16g-steps"] < (
-        waited["qwen3-8b-concurrent-cpu16g-steps"]
+    assert (
+        waited["qwen3-8b-concurrent-graphs-cpu16g-steps"]
+        < (waited["qwen3-8b-concurrent-cpu16g-steps"])
     )
