@@ -52,15 +52,6 @@ def gpu_store_steps(run: Path) -> list[float]:
     return sorted(out)
 
 
-def _bursts(records: Iterable[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
-    out: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
-    for r in records:
-        burst = (r.get("tags") or {}).get("burst")
-        if burst is not None and r.get("status") == 200:
-            out[int(burst)].append(r)
-    return out
-
-
 def _first_step(steps: Sequence[float], t: float) -> float | None:
     k = bisect.bisect_left(steps, t)
     return steps[k] - t if k < len(steps) else None
@@ -79,38 +70,40 @@ def event_steps(base: Path, offload: Path) -> dict[str, Any]:
     step" and "loaders after it", each without and with offload, in ms, and the difference of
     the latter per burst) and the mean TTFT change of a request in the bursts without one."""
     b_steps, o_steps = gpu_store_steps(base), gpu_store_steps(offload)
-    b_bursts = _bursts(matrixkit.load_requests(base))
-    o_bursts = _bursts(matrixkit.load_requests(offload))
+    bursts: dict[int, list[tuple[Mapping[str, Any], Mapping[str, Any]]]] = defaultdict(list)
+    pairs = matrixkit.matched_requests(
+        matrixkit.load_requests(base), matrixkit.load_requests(offload)
+    )
+    for b, o in pairs:
+        burst = (b.get("tags") or {}).get("burst")
+        if burst is not None:
+            bursts[int(burst)].append((b, o))
     first: dict[str, list[float]] = {"base": [], "offload": []}
     after: dict[str, list[float]] = {"base": [], "offload": []}
     waited: list[float] = []
     loaders: list[int] = []
     unloaded: list[float] = []
     quiet = 0  # bursts in which no request loaded
-    for k in sorted(set(b_bursts) & set(o_bursts)):
-        bb = {r["i"]: r for r in b_bursts[k]}
-        oo = {r["i"]: r for r in o_bursts[k]}
-        if set(bb) != set(oo):
-            continue
-        mine = [i for i in oo if oo[i]["cached_tokens"] > bb[i]["cached_tokens"]]
+    for burst in sorted(bursts):
+        matched = bursts[burst]
+        mine = [(b, o) for b, o in matched if o["cached_tokens"] > b["cached_tokens"]]
         if not mine:
-            unloaded += [oo[i]["ttft_s"] - bb[i]["ttft_s"] for i in oo]
+            unloaded += [o["ttft_s"] - b["ttft_s"] for b, o in matched]
             quiet += 1
             continue
-        spans = {}
-        for side, runs, steps in (("base", bb, b_steps), ("offload", oo, o_steps)):
-            t0 = min(r["t_send"] for r in runs.values())
+        spans: dict[str, tuple[float, float]] = {}  # side: (first step, loaders after it)
+        for side, k, steps in (("base", 0, b_steps), ("offload", 1, o_steps)):
+            t0 = min(pair[k]["t_send"] for pair in matched)
             f = _first_step(steps, t0)
-            if f is None:
-                break
-            last = max(runs[i]["t_send"] + runs[i]["ttft_s"] for i in mine) - t0
-            first[side].append(f)
-            spans[side] = last - f
+            if f is not None:
+                last = max(pair[k]["t_send"] + pair[k]["ttft_s"] for pair in mine) - t0
+                spans[side] = (f, last - f)
         if len(spans) < 2:
-            continue
-        after["base"].append(spans["base"])
-        after["offload"].append(spans["offload"])
-        waited.append(spans["offload"] - spans["base"])
+            continue  # a side whose burst no store batch followed: nothing to place it by
+        for side, (f, span) in spans.items():
+            first[side].append(f)
+            after[side].append(span)
+        waited.append(spans["offload"][1] - spans["base"][1])
         loaders.append(len(mine))
     return {
         "bursts_loading": len(waited),
