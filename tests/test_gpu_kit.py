@@ -606,10 +606,11 @@ SCENARIOS = mk.load_scenarios()
 
 def test_matrix_scenarios_are_data() -> None:
     """3 shapes x 5 workloads x {none, 2 buffers}, every one resolvable without code, and
-    the held-out shape's 2 workloads x {none, 2 buffers} (holdout.json)."""
+    the held-out shape's 2 workloads x {none, 2 buffers} (holdout.json); holdout.json's second
+    batch (29, staged in session 32): the bursts on 1.7B, 4B and 14B x {none, 1 buffer}."""
     shapes = {s.shape.name for s in SCENARIOS.values()}
     workloads = {s.workload.name for s in SCENARIOS.values()}
-    assert shapes == {"qwen3-0.6b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}
+    assert shapes == {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}
     assert {"rag-zipf", "chat", "unique", "long-context", "concurrent"} <= workloads
     graphs = [n for n in SCENARIOS if "-graphs-" in n]
     idle = [n for n in SCENARIOS if "-unique-idle-" in n]
@@ -622,7 +623,9 @@ def test_matrix_scenarios_are_data() -> None:
         if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k") and n not in graphs + idle + stores
     ]
     held_out = [n for n in matrix if SCENARIOS[n].shape.name == "qwen3-14b"]
-    assert len(matrix) == 45 + 6 and len(held_out) == 6
+    bursts = [n for n in matrix if SCENARIOS[n].shape.name in ("qwen3-1.7b", "qwen3-4b")]
+    assert len(matrix) == 45 + 6 + 6 and len(held_out) == 6 + 2 and len(bursts) == 4
+    assert all(SCENARIOS[n].step_log for n in bursts)
     # graphs.json: the same workloads as vLLM serves by default (CUDA graphs), its own pair
     # family, so that its runs are never compared with the matrix's eager ones.
     # Session 22: six recorded; session 23: two closing their loop and 32B chat's pair;
@@ -678,7 +681,11 @@ def test_matrix_scenarios_are_data() -> None:
     # changed (the log is bench evidence: the same pair family, the same work).
     steps = [n for n in SCENARIOS if n.endswith("-steps")]
     assert len(steps) == 6 and all(SCENARIOS[n].step_log for n in steps)
-    assert not any(s.step_log for n, s in SCENARIOS.items() if n not in steps)
+    # Besides them only holdout.json's second batch logs its steps (its bursts on 1.7B, 4B, 14B).
+    logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps}
+    assert logged == {
+        f"qwen3-{m}-concurrent-{t}" for m in ("1.7b", "4b", "14b") for t in ("none", "cpu64k")
+    }
     for n in steps:
         sc, first = SCENARIOS[n], SCENARIOS[n.removesuffix("-steps")]
         assert (sc.workload, sc.vllm_args, sc.offload, sc.pair) == (
@@ -702,8 +709,14 @@ def test_matrix_scenarios_are_data() -> None:
         SCENARIOS["qwen3-8b-concurrent-graphs-cpu64k"].offload
         == SCENARIOS["qwen3-8b-concurrent-cpu64k"].offload
     )
-    assert {SCENARIOS[n].workload.name for n in held_out} == {"chat", "rag-zipf"}
-    shapes -= {"qwen3-14b"}
+    assert {SCENARIOS[n].workload.name for n in held_out} == {"chat", "rag-zipf", "concurrent"}
+    shapes -= {"qwen3-14b", "qwen3-1.7b", "qwen3-4b"}
+    # The second held-out batch's shapes: their KV per token, their parameters.
+    small, mid = SCENARIOS["qwen3-1.7b-concurrent-cpu64k"], SCENARIOS["qwen3-4b-concurrent-cpu64k"]
+    assert (small.shape.kv_bytes_per_token, mid.shape.kv_bytes_per_token) == (114_688, 147_456)
+    assert small.shape.param_count == pytest.approx(1.7e9, rel=0.03)
+    assert mid.shape.param_count == pytest.approx(4.0e9, rel=0.03)
+    assert (small.offload.size_gib, mid.offload.size_gib) == (7.0, 9.0)  # type: ignore[union-attr]
     # close-the-loop.json: the sizes the advisor recommended on replay, as scenarios too.
     assert SCENARIOS["qwen3-8b-long-context-cpu16g"].offload is not None
     assert (
