@@ -393,44 +393,70 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
     assert f"(mean absolute error {mae:.3f} s/s)" in markdown(evals)
 
 
+def test_a_launch_bound_engines_bursts_are_charged_the_launch_a_load_adds(evals) -> None:  # type: ignore[no-untyped-def]
+    """docs/whatif.md, "The launch a load adds": on 0.6B served eager or with CUDA graphs a
+    step's launch is most of its time, and a load in a burst of twelve keeps the burst's other
+    requests waiting for its later step's launch. Charged since session 32, the five 0.6B
+    burst predictions come within 25 % of the cost measured on four (0.41 to 0.59 of it
+    before); the 8B bursts' compute covers two launches, so their wait is none and their
+    predictions what they were."""
+    small = [
+        p for e in evals if e.family.startswith("qwen3-0.6b-concurrent") for p in e.predictions
+    ]
+    assert len(small) == 5 and all(p.predicted is not None for p in small)
+    assert all(p.measured < 0 and p.predicted is not None and p.predicted < 0 for p in small)
+    assert sum(bool(p.ok) for p in small) == 4
+    assert all(p.predicted is not None and p.predicted < 0.7 * p.measured for p in small)
+    steps = {e.run: e for e in evals if e.run.endswith("-concurrent-none-steps")}
+    (eight,) = (
+        replay_one(MATRIX / "qwen3-8b-concurrent-none-steps", Config()).final.targets[0].engines
+    )
+    (small_steps,) = (
+        replay_one(MATRIX / "qwen3-0.6b-concurrent-none-steps", Config()).final.targets[0].engines
+    )
+    assert eight.advice.numbers["whatif_launch_wait_seconds"] == 0.0
+    assert 0.005 < small_steps.advice.numbers["whatif_launch_wait_seconds"] < 0.015
+    assert 3.0 < small_steps.advice.numbers["whatif_launch_waiters_per_load"] < 3.5
+    assert steps["qwen3-8b-concurrent-none-steps"].predictions[0].ok
+
+
 @unmet_goal(
-    "21 of 72 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
+    "17 of 72 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
     "session 28's two, 32B chat at 24 GiB (+0.940 for +1.024) and 32B unique prompts at "
     "1 request/s (-0.009 for -0.002), session 29's three, 14B and 8B unique prompts on an "
     "H100 host (-0.022 for -0.004, -0.005 and -0.005 for -0.001), and session 30's 8B unique "
     "prompts at 4 requests/s again (-0.021 for -0.012) are within; session 30's eager 8B "
     "bursts' 16 GiB pair again misses (+0.101 for +0.046: a request that loaded saved itself "
-    "nothing, eager, where with CUDA graphs each saved 9-46 ms), and so does the eager 0.6B "
-    "bursts' 7 GiB pair again, on an H100 host (-0.055 for -0.101: every request slower, the "
-    "ones that loaded nothing by 1.5 times the stores' charge); session 31's batch 28, the "
+    "nothing, eager, where with CUDA graphs each saved 9-46 ms); session 31's batch 28, the "
     "bursts with the engine-step log on another H100 host: the eager 8B pair at 16 GiB and "
-    "the same with CUDA graphs within (+0.099 for +0.112, +0.124 for +0.159), the eager 0.6B "
-    "pair under again (-0.042 for -0.071: a loader's suffix two engine steps after its load, "
-    "about 20 ms on 0.6B, which the what-if does not charge); since "
+    "the same with CUDA graphs within (+0.099 for +0.112, +0.124 for +0.159); since session "
+    "32 a load on a launch-bound engine is charged the launch of its later step for every "
+    "prefill of its burst but the first, which brought in four of the five eager and graphs "
+    "0.6B bursts (-0.067 to -0.168 for -0.071 to -0.152; -0.042 to -0.062 before); since "
     "session 26 the hits' saving is a queue's, "
     "which brought in 32B chat at 16 GiB from both eager runs and the graphs run (+0.420, "
     "+0.432, +0.424 for +0.482, +0.490, +0.465; linear +0.265 to +0.283) and the held-out "
     "14B chat at 10 GiB, and lost four by at most 0.013 s/s: 14B chat at 16 GiB from its "
     "control (+0.155 for +0.121), 32B RAG-Zipf at 32 GiB from its control and at 48 GiB from "
-    "the replicate (+0.077 for +0.048, +0.102 for +0.069) and 8B concurrent with CUDA graphs "
-    "at 9 GiB (+0.055 for +0.033); its mean absolute error fell from 0.047 to 0.029 s/s): "
+    "the replicate (+0.075 for +0.048, +0.098 for +0.069) and 8B concurrent with CUDA graphs "
+    "at 9 GiB (+0.055 for +0.033); its mean absolute error fell from 0.047 to 0.029 s/s, "
+    "0.025 since session 32): "
     "8B concurrent at 27 GiB, at 16 GiB from its control and from the second replicate "
     "(batch 26, another machine) and at 9 and 27 GiB from the "
     "replicate, predicted +0.073 to +0.142 s/s, measured -0.023 to +0.069 (bursts: vLLM's "
     "prefill time fell 126 us per loaded token, not the 195 us the TTFT fit prices a hit at, "
     "and requests that loaded nothing went into the loaders' later step; with CUDA graphs "
     "the same inputs predict +0.118 for +0.141 at 27 GiB, within, and +0.102 for +0.097 at "
-    "16 GiB); 0.6B concurrent at 7 and 21 GiB, predicted -0.062 and -0.060 s/s, measured "
-    "-0.15 (the requests that loaded nothing were a third slower, several times the stores' "
-    "copy time), and with CUDA graphs at 7 GiB, predicted -0.050, measured -0.119; 0.6B "
-    "rag-zipf at 21 GiB from its control, predicted -0.016, measured -0.040 (the same, 16 %); "
+    "16 GiB); the eager 0.6B bursts at 7 GiB from the H100 replicate, predicted -0.131, "
+    "measured -0.101 (over, where its H200 pair is within); 0.6B "
+    "rag-zipf at 21 GiB from its control, predicted -0.018, measured -0.040 (the same, 16 %); "
     "32B unique at 16 and 48 GiB from both runs without offload, predicted -0.045, measured "
     "-0.001 to -0.010 (the 32B unique runs pay almost none of their stores' copy time, where "
     "0.6B and 8B pay about all of it even with CUDA graphs, batch 21; at 1 request/s, the "
     "engine idle, a 32B request arriving alone still paid a quarter of its copy time, batch "
     "22: not the load hides it; nor the shape, batches 23 and 24: on an H100 host 14B paid a "
     "tenth and 8B a fifth of theirs at 1 request/s); 8B "
-    "chat at 16 GiB, predicted +0.018, measured -0.015 (the slower of two runs of the same "
+    "chat at 16 GiB, predicted +0.017, measured -0.015 (the slower of two runs of the same "
     "work); the held-out 14B RAG-Zipf at 10 GiB, predicted -0.001, measured -0.036 (the "
     "requests that loaded nothing took 8.3 ms more each with the full 10 GiB tier, 0.1 ms less "
     "with 30 GiB; its other three predictions are within); and the four above",

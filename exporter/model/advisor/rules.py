@@ -166,6 +166,8 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["whatif_requests_per_step"] = inp.whatif.requests_per_step
         numbers["whatif_load_wait_share"] = inp.whatif.load_wait_share
         numbers["whatif_queue_utilisation"] = inp.whatif.queue_utilisation
+        numbers["whatif_launch_wait_seconds"] = inp.whatif.launch_wait_seconds
+        numbers["whatif_launch_waiters_per_load"] = inp.whatif.launch_waiters_per_load
         numbers["kv_event_batches_lost_ratio"] = inp.whatif.lost_batch_share
     if inp.evidence is not None:
         ev = inp.evidence

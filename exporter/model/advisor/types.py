@@ -406,6 +406,20 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
             "offload off: what a load would keep its request waiting beyond its copy, as a "
             "share of the mean prefill time per request",
         ),
+        "whatif_launch_wait_seconds": NumberInfo(
+            "a step's wait for the launch behind it",
+            "seconds",
+            "offload off: twice a step's fixed time (the prefill fit's time per request) less "
+            "the mean prefill time per request, at least 0: what a step's output would wait "
+            "for the engine to launch a loader's later step where launching outlasts "
+            "computing",
+        ),
+        "whatif_launch_waiters_per_load": NumberInfo(
+            "prefills waiting on a load's launch",
+            "x",
+            "offload off: per load, the prefills but the first of each loader's engine step "
+            "of three or more (KV events, a burst); each would wait the launch wait",
+        ),
         "whatif_queue_utilisation": NumberInfo(
             "engine utilisation as a queue",
             "ratio",
@@ -490,6 +504,11 @@ class WhatIfState:
     # Offload off: the engine's utilisation as a queue (whatif.view.queue_utilisation),
     # which makes the hits' saving more than linear; None with offload on or without TTFT.
     queue_utilisation: float | None = None
+    # Offload off: what a step's output would wait for the launch of a loader's later step
+    # (whatif.view.WhatIfView.launch_wait, at the window's prefill time), and how many
+    # prefills per load would wait for it (StepSharing.launch_waiters_per_load).
+    launch_wait_seconds: float | None = None
+    launch_waiters_per_load: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,6 +70,23 @@ class WhatIfView:
         left = max(self.prefill_seconds - saved_prefill_seconds, 0.0)
         return share * left / self.prefill_requests
 
+    def launch_wait(self, step_seconds: float, saved_prefill_seconds: float) -> float:
+        """Seconds a step's output waits, with the tier on, for the engine to launch the step
+        behind it: twice a step's fixed time less the mean prefill time per request with the
+        tier on (what the step takes anyway), none where that covers both launches.
+
+        vLLM 0.26 (async scheduling, two steps in flight) launches the next step before it
+        takes a step's output back, and launching is CPU time on the engine's one thread
+        (`step_seconds`, the prefill fit's time per request: what a step costs however few
+        tokens it computes). Without offload a burst's last step has nothing behind it; with
+        a load in it the loader's own later step is (docs/whatif.md). On a GPU-bound engine
+        the launch hides under the step's compute, on a launch-bound one (0.6B served eager:
+        a step's fixed time 0.7-0.9 of the prefill) it does not."""
+        if self.prefill_requests <= 0 or step_seconds <= 0:
+            return 0.0
+        left = max(self.prefill_seconds - saved_prefill_seconds, 0.0) / self.prefill_requests
+        return max(0.0, 2.0 * step_seconds - left)
+
 
 def engine_rank(key: EngineKey) -> int | None:
     """The DP rank of an engine label (the key of WhatIf.snapshots()); None if not a rank."""
@@ -166,6 +183,15 @@ def window_view(
     )
 
 
+# Prefills per step (StepSharing.requests_per_step) from which requests come in bursts, and
+# the launch a load adds keeps the others of its step waiting: in 0.6B's bursts of twelve
+# (11.7-12 per step) the requests that loaded nothing waited 15-35 ms more where one loaded,
+# one launch; where requests came one at a time (chat and RAG-Zipf: 1.2-1.8 per step) those
+# whose wait overlapped a loader's came back -4 to +9 ms later on 0.6B, where the launch wait
+# would be 23-38 ms (docs/whatif.md, "The launch a load adds").
+BURST_PREFILLS = 3.0
+
+
 @dataclass(frozen=True, slots=True)
 class StepSharing:
     """How the prefills of a span shared their engine steps (vLLM publishes one KV-event
@@ -178,6 +204,13 @@ class StepSharing:
     # time per request: a prefill that recomputed an evicted prefix would have loaded it and
     # left its step, so it waits out the others' part of that step, and at least `base`.
     load_wait_share: float
+    # Per load, the prefills that would be taken back only after the engine launched the step
+    # the load adds (WhatIfView.launch_wait): where requests come in bursts (BURST_PREFILLS),
+    # every prefill of a loader's step but its first, the loaders included. vLLM publishes a
+    # KV-event batch when it takes a step's output back, having planned the step behind it,
+    # so a batch is that step and the one behind: the first prefill's output is back before
+    # the launch, the others' after it.
+    launch_waiters_per_load: float = 0.0
 
 
 def step_sharing(
@@ -197,17 +230,22 @@ def step_sharing(
     kept = [(ts, n, r) for ts, n, r, _ in prefills if t0 <= ts < t1]
     if not kept:
         return None
-    steps: dict[float, list[int]] = {}  # step -> [tokens, prefills]
-    for ts, n, _ in kept:
-        step = steps.setdefault(ts, [0, 0])
+    steps: dict[float, list[int]] = {}  # step -> [tokens, prefills, loaders]
+    for ts, n, r in kept:
+        step = steps.setdefault(ts, [0, 0, 0])
         step[0] += n
         step[1] += 1
-    tokens = sum(t for t, _ in steps.values())
-    weighted = sum(t * k for t, k in steps.values())
+        step[2] += r > 0
+    tokens = sum(t for t, _, _ in steps.values())
+    weighted = sum(t * k for t, k, _ in steps.values())
     shares = [max(base, 1.0 - n / steps[ts][0]) for ts, n, r in kept if r > 0 and steps[ts][0]]
+    per_step = weighted / tokens if tokens > 0 else 1.0
+    bursts = per_step >= BURST_PREFILLS
+    waiting = sum(k - 1 for _, k, loaders in steps.values() if loaders and bursts)
     return StepSharing(
-        weighted / tokens if tokens > 0 else 1.0,
+        per_step,
         sum(shares) / len(shares) if shares else base,
+        waiting / len(shares) if shares else 0.0,
     )
 
 
@@ -416,6 +454,11 @@ def whatif_state(
     )
     wait_share = sharing.load_wait_share if sharing is not None else d.load_wait_share
     per_store = sharing.requests_per_step if sharing is not None else 1.0
+    # A load that shares its step keeps the step's prefills waiting for the launch of the
+    # loader's own later step too (WhatIfView.launch_wait): the prefill fit's time per
+    # request is what a step costs however little it computes.
+    waiters = sharing.launch_waiters_per_load if sharing is not None else 0.0
+    step_seconds = pf.overhead_seconds if pf is not None else 0.0
     on = bal is not None and computed is not None
     # Offload off: the hits' saving is a queue's (simulator.queue_saving); with offload on
     # the balance prices the window's own hits.
@@ -427,13 +470,15 @@ def whatif_state(
             # prices, the balance's own (at the configured size the two agree).
             return bal.net(z, tokens=(hits, computed)) / view.seconds
         priced = hits * share
+        saved_prefill = priced * (per_token or 0.0)
         return ttft_saved_seconds_per_second(
             hits / view.seconds,
             cost,
             d.transfer_tokens_per_second,
             computed / view.seconds if computed is not None else None,
             view.loads(hits) / view.seconds,
-            view.load_wait(wait_share, priced * (per_token or 0.0)),
+            view.load_wait(wait_share, saved_prefill)
+            + waiters * view.launch_wait(step_seconds, saved_prefill),
             priced / view.seconds,
             per_store,
             (rho or 0.0) if queue else 0.0,
@@ -463,6 +508,8 @@ def whatif_state(
         wait_share if sharing is not None and not on else None,
         view.lost_share,
         rho if not on else None,
+        view.launch_wait(step_seconds, 0.0) if sharing is not None and not on else None,
+        waiters if sharing is not None and not on else None,
     )
 
 

@@ -548,6 +548,18 @@ def test_step_sharing_weights_each_step_by_the_requests_in_it() -> None:
     assert got is not None
     assert got.requests_per_step == pytest.approx((600 * 3 + 600 * 1) / 1200)
     assert got.load_wait_share == pytest.approx((400 / 600 + 0.2) / 2)
+    # Two prefills to a step: requests one at a time, nobody waits for the launch a load adds.
+    assert got.launch_waiters_per_load == 0.0
+    # Bursts of four: every prefill of a loader's step but the first waits for it (3), a
+    # loader alone in its step leaves nobody waiting: 3 over 2 loads.
+    burst = (
+        *((1.0, 100, 50 if j == 0 else 0, none) for j in range(4)),
+        *((2.0, 100, 0, none) for _ in range(4)),
+        (3.0, 100, 50, none),
+    )
+    bursts = step_sharing(burst, 0.0, 9.0, 0.2)
+    assert bursts is not None and bursts.requests_per_step == pytest.approx(33 / 9)
+    assert bursts.launch_waiters_per_load == pytest.approx(1.5)
     # Nobody shares a step: the stores are paid once, and a load waits the base share.
     alone = step_sharing(((1.0, 100, 50, none), (2.0, 300, 0, none)), 0.0, 9.0, 0.2)
     assert alone == StepSharing(1.0, 0.2)
@@ -648,6 +660,62 @@ def test_the_whatif_prices_a_burst_by_its_steps() -> None:
         )
         assert b.ttft_saved_seconds_per_second == pytest.approx(
             a.ttft_saved_seconds_per_second - loads * extra_wait - 2 * stores + queue
+        )
+
+
+def test_a_launch_bound_engines_loads_keep_their_step_waiting() -> None:
+    """vLLM launches the step behind a step before taking that step's output back. Where a
+    step's fixed time (the prefill fit's time per request) is most of a prefill, as on 0.6B
+    served eager, the launch of a loader's later step is not hidden under the step's compute,
+    and in a burst every prefill of the loader's step but the first waits for it: 2 x fixed -
+    prefill each (the 0.6B bursts' requests that did not load waited 15-35 ms more with the
+    tier, one launch, docs/whatif.md). Where the step's compute covers two launches, nothing."""
+    view = WhatIfView(1.0, 10.0, (0.0,), None, 0.0, prefill_seconds=2.0, prefill_requests=100.0)
+    assert view.launch_wait(0.018, 0.0) == pytest.approx(2 * 0.018 - 0.02)
+    assert view.launch_wait(0.018, 0.5) == pytest.approx(2 * 0.018 - 0.015)  # the tier's hits
+    assert view.launch_wait(0.008, 0.0) == 0.0  # compute covers both launches
+    assert view.launch_wait(0.0, 0.0) == 0.0
+    assert WhatIfView(1.0, 1.0, (0.0,), None, 0.0).launch_wait(0.02, 0.0) == 0.0  # no prefills
+    # A burst of three a second, one of them back after an eviction: with a step's fixed
+    # time 30 ms of the 33 ms prefill the saving falls by each load's two waiting prefills
+    # (all but the burst's first) times the launch wait; with 10 ms it is the saving of an
+    # engine whose compute hides the launch.
+    w = TargetWindow(3600.0)
+    prefills: list[tuple[float, int, int, tuple[float, ...]]] = []
+    sums = (0.0,) * len(FLOORS)
+    for i in range(41):
+        counters = {
+            **_ttft(3.0 * i, 0.2 * i),
+            "prompt_by_source:local_compute": 1500.0 * i,
+            "prefill_seconds": 0.1 * i,
+            "prefill_requests": 3.0 * i,
+        }
+        w.add(TargetSample(ts=float(i), engines={EK: EngineSample(counters=counters, gauges={})}))
+        for j in range(3):
+            sums = tuple(c + max(600, f) for c, f in zip(sums, FLOORS, strict=True))
+            prefills.append((i + 0.5, 600, 300 if j == 0 else 0, sums))
+    snap = snapshot(
+        sim_start=0.0,
+        prefills=tuple(prefills),
+        buckets=(Bucket(10.0, 100.0, 0.0, 0.0, (25.0, 100.0), 4.0),),
+    )
+    hidden = derived(prefill_fit=PrefillFit(0.01, 25e-6, 120, 0.9, 1e-6))
+    bound = derived(prefill_fit=PrefillFit(0.03, 25e-6, 120, 0.9, 1e-6))
+    a, b = whatif_state(snap, w, hidden, (1000, 2000)), whatif_state(snap, w, bound, (1000, 2000))
+    view = window_view(snap, w, EK)
+    assert a is not None and b is not None and view is not None
+    assert a.launch_waiters_per_load == b.launch_waiters_per_load == pytest.approx(2.0)
+    assert a.launch_wait_seconds == 0.0
+    assert b.launch_wait_seconds == pytest.approx(2 * 0.03 - 0.1 / 3)
+    assert a.load_wait_share == b.load_wait_share and a.requests_per_step == b.requests_per_step
+    for p, q, hits in zip(a.points, b.points, view.hits, strict=True):
+        assert p.ttft_saved_seconds_per_second is not None
+        assert q.ttft_saved_seconds_per_second is not None
+        saved_prefill = hits * 25e-6  # every hit above any floor: priced whole
+        waits = view.loads(hits) / view.seconds * 2.0 * view.launch_wait(0.03, saved_prefill)
+        assert waits > 0
+        assert q.ttft_saved_seconds_per_second == pytest.approx(
+            p.ttft_saved_seconds_per_second - waits
         )
 
 
