@@ -83,6 +83,10 @@ def event_steps(base: Path, offload: Path) -> dict[str, Any]:
     waited: list[float] = []
     loaders: list[int] = []
     unloaded: list[float] = []
+    # TTFT change with the tier, in the bursts in which a request loaded: of the loaders, and
+    # of the others (whom the launch of the loaders' later step keeps waiting on a
+    # launch-bound engine, docs/whatif.md "The launch a load adds").
+    changes: dict[str, list[float]] = {"loaders": [], "others": []}
     quiet = 0  # bursts in which no request loaded
     for burst in sorted(bursts):
         matched = bursts[burst]
@@ -98,6 +102,9 @@ def event_steps(base: Path, offload: Path) -> dict[str, Any]:
             if f is not None:
                 last = max(pair[k]["t_send"] + pair[k]["ttft_s"] for pair in mine) - t0
                 spans[side] = (f, last - f)
+        for b, o in matched:
+            side = "loaders" if o["cached_tokens"] > b["cached_tokens"] else "others"
+            changes[side].append(o["ttft_s"] - b["ttft_s"])
         if len(spans) < 2:
             continue  # a side whose burst no store batch followed: nothing to place it by
         for side, (f, span) in spans.items():
@@ -113,6 +120,9 @@ def event_steps(base: Path, offload: Path) -> dict[str, Any]:
         "loaders_waited_more_ms": _median(waited),
         "bursts_without_loads": quiet,
         "without_loads_ttft_change_ms": _ms(statistics.fmean(unloaded)) if unloaded else None,
+        "ttft_change_ms": {
+            side: _ms(statistics.fmean(v)) if v else None for side, v in changes.items()
+        },
     }
 
 
@@ -222,6 +232,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
         "first step ms, without / with",
         "loaders after it ms, without / with",
         "loads waited more ms",
+        "bursts that loaded: TTFT change ms, loaders / others",
         "bursts without loads: TTFT change a request ms (bursts)",
     ]
     body = [
@@ -233,6 +244,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
             f"{v(r['first_step_ms']['base'])} / {v(r['first_step_ms']['offload'])}",
             f"{v(r['loaders_after_ms']['base'])} / {v(r['loaders_after_ms']['offload'])}",
             v(r["loaders_waited_more_ms"]),
+            f"{signed(r['ttft_change_ms']['loaders'])} / {signed(r['ttft_change_ms']['others'])}",
             f"{signed(r['without_loads_ttft_change_ms'])} ({r['bursts_without_loads']})",
         ]
         for name, r in rows.items()

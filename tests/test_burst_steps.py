@@ -42,6 +42,18 @@ def test_a_0_6b_loader_waits_steps_after_the_one_that_served_the_others(
     assert min(eager) > 1.5 * graphs
 
 
+def test_where_a_0_6b_request_loads_the_others_of_its_burst_wait_a_launch(
+    rows: dict[str, dict[str, Any]],
+) -> None:
+    """docs/whatif.md, "The launch a load adds": in the 0.6B bursts in which a request
+    loaded, the requests that loaded nothing came back 21-35 ms later with the tier (a step
+    launch on that engine), the loaders later still; the what-if charges the former since
+    session 32."""
+    for name, row in rows.items():
+        change = row["ttft_change_ms"]
+        assert 15 < change["others"] < change["loaders"], (name, change)
+
+
 def _step(i: int, ms: float, r: dict[str, int], **more: Any) -> dict[str, Any]:
     t0 = 100.0 + i / 10
     return {
@@ -98,7 +110,7 @@ def test_the_command_prints_the_docs_table_row(capsys: pytest.CaptureFixture[str
     row = capsys.readouterr().out.splitlines()[2]
     assert row == (
         "| qwen3-0.6b-concurrent-cpu64k-rep | qwen3-0.6b-concurrent-none-rep | 50 | 2.48 "
-        "| 80.0 / 93.5 | 7.6 / 51.3 | 43.3 | +6.0 (11) |"
+        "| 80.0 / 93.5 | 7.6 / 51.3 | 43.3 | +56.2 / +21.4 | +6.0 (11) |"
     )
     assert burst_steps.main([str(MATRIX), *names, "--json"]) == 0
     assert '"loaders_waited_more_ms": 43.3' in capsys.readouterr().out
