@@ -417,8 +417,9 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
         "whatif_launch_waiters_per_load": NumberInfo(
             "prefills waiting on a load's launch",
             "x",
-            "offload off: per load, the prefills but the first of each loader's engine step "
-            "of three or more (KV events, a burst); each would wait the launch wait",
+            "offload off, where requests come in bursts (three or more prefills to a step): "
+            "per load, the prefills of each loader's engine step but its first (KV events); "
+            "each would wait the launch wait",
         ),
         "whatif_queue_utilisation": NumberInfo(
             "engine utilisation as a queue",

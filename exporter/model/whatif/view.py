@@ -454,7 +454,7 @@ def whatif_state(
     )
     wait_share = sharing.load_wait_share if sharing is not None else d.load_wait_share
     per_store = sharing.requests_per_step if sharing is not None else 1.0
-    # A load that shares its step keeps the step's prefills waiting for the launch of the
+    # In a burst a load keeps its step's other prefills waiting for the launch of the
     # loader's own later step too (WhatIfView.launch_wait): the prefill fit's time per
     # request is what a step costs however little it computes.
     waiters = sharing.launch_waiters_per_load if sharing is not None else 0.0
