@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.advice_eval import MATRIX
-from bench.common import markdown_table, recording_metas, recordings_main
+from bench.common import loaded_tokens, markdown_table, recording_metas, recordings_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import matrixkit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
@@ -35,16 +35,16 @@ def beside_loaders(
     """Per group of `GROUPS`: "n" (requests) and "ms" (mean TTFT with the tier less without,
     None for none), over the requests both runs completed. A request is "beside" a loader
     where its wait (send to first token, with the tier) overlapped a loader's."""
-    pairs = matrixkit.matched_requests(base, offload)
+    pairs = [(b, o, loaded_tokens(b, o) > 0) for b, o in matrixkit.matched_requests(base, offload)]
     loads = [
         (float(o["t_send"]), float(o["t_send"]) + float(o["ttft_s"]))
-        for b, o in pairs
-        if int(o.get("cached_tokens") or 0) > int(b.get("cached_tokens") or 0)
+        for _, o, loader in pairs
+        if loader
     ]
     changes: dict[str, list[float]] = {g: [] for g in GROUPS}
-    for b, o in pairs:
+    for b, o, loader in pairs:
         start, end = float(o["t_send"]), float(o["t_send"]) + float(o["ttft_s"])
-        if int(o.get("cached_tokens") or 0) > int(b.get("cached_tokens") or 0):
+        if loader:
             group = "loaders"
         elif any(s < end and start < e for s, e in loads):
             group = "beside"

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.advice_eval import MATRIX
-from bench.common import markdown_table, recording_metas, recordings_main
+from bench.common import loaded_tokens, markdown_table, recording_metas, recordings_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import gpukit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
@@ -90,7 +90,7 @@ def event_steps(base: Path, offload: Path) -> dict[str, Any]:
     quiet = 0  # bursts in which no request loaded
     for burst in sorted(bursts):
         matched = bursts[burst]
-        mine = [(b, o) for b, o in matched if o["cached_tokens"] > b["cached_tokens"]]
+        mine = [(b, o) for b, o in matched if loaded_tokens(b, o) > 0]
         if not mine:
             unloaded += [o["ttft_s"] - b["ttft_s"] for b, o in matched]
             quiet += 1
@@ -103,7 +103,7 @@ def event_steps(base: Path, offload: Path) -> dict[str, Any]:
                 last = max(pair[k]["t_send"] + pair[k]["ttft_s"] for pair in mine) - t0
                 spans[side] = (f, last - f)
         for b, o in matched:
-            side = "loaders" if o["cached_tokens"] > b["cached_tokens"] else "others"
+            side = "loaders" if loaded_tokens(b, o) > 0 else "others"
             changes[side].append(o["ttft_s"] - b["ttft_s"])
         if len(spans) < 2:
             continue  # a side whose burst no store batch followed: nothing to place it by

@@ -55,6 +55,12 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def loaded_tokens(base: Mapping[str, Any], offload: Mapping[str, Any]) -> int:
+    """Tokens a request of an offload run found cached beyond its own in the run without
+    offload (paired records, `cached_tokens`): above 0, it loaded from the CPU tier."""
+    return int(offload.get("cached_tokens") or 0) - int(base.get("cached_tokens") or 0)
+
+
 def recording_metas(root: Path, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """Every recording's meta.json under `root` by folder name (the matrix's layout); exits
     with a message naming any of `names` not there."""

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.advice_eval import MATRIX
-from bench.common import markdown_table, recording_metas, recordings_main
+from bench.common import loaded_tokens, markdown_table, recording_metas, recordings_main
 from exporter import expfmt
 from exporter.model.derive.compute import computed_token_floor
 
@@ -117,7 +117,7 @@ def spread(
     mine = theirs = 0.0
     saved_by: dict[bool, list[float]] = {False: [], True: []}
     for a, b in pairs:
-        extra = int(b.get("cached_tokens") or 0) - int(a.get("cached_tokens") or 0)
+        extra = loaded_tokens(a, b)
         saved = float(a["ttft_s"]) - float(b["ttft_s"])
         if extra > 0:
             loaders += 1
