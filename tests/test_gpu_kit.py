@@ -607,7 +607,8 @@ SCENARIOS = mk.load_scenarios()
 def test_matrix_scenarios_are_data() -> None:
     """3 shapes x 5 workloads x {none, 2 buffers}, every one resolvable without code, and
     the held-out shape's 2 workloads x {none, 2 buffers} (holdout.json); holdout.json's second
-    batch (29, staged in session 32): the bursts on 1.7B, 4B and 14B x {none, 1 buffer}."""
+    batch (29, staged in session 32): the bursts on 1.7B, 4B and 14B x {none, 1 buffer}, and
+    its third (30, staged in session 33): 4B and 14B at the 16 GiB their advice named."""
     shapes = {s.shape.name for s in SCENARIOS.values()}
     workloads = {s.workload.name for s in SCENARIOS.values()}
     assert shapes == {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}
@@ -681,11 +682,18 @@ def test_matrix_scenarios_are_data() -> None:
     # changed (the log is bench evidence: the same pair family, the same work).
     steps = [n for n in SCENARIOS if n.endswith("-steps")]
     assert len(steps) == 6 and all(SCENARIOS[n].step_log for n in steps)
-    # Besides them only holdout.json's second batch logs its steps (its bursts on 1.7B, 4B, 14B).
+    # Besides them only holdout.json's second batch logs its steps (its bursts on 1.7B, 4B, 14B)
+    # and its third, batch 30: the 16 GiB its advice named on 4B and 14B, beside a control each.
     logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps}
-    assert logged == {
+    loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
+    assert logged == loops | {
         f"qwen3-{m}-concurrent-{t}" for m in ("1.7b", "4b", "14b") for t in ("none", "cpu64k")
     }
+    for n in loops:
+        sc, first = SCENARIOS[n], SCENARIOS[n.split("-concurrent-")[0] + "-concurrent-none"]
+        assert (sc.pair, sc.workload, sc.vllm_args) == (first.pair, first.workload, first.vllm_args)
+        assert n in mk.load_scenarios(files=("holdout.json",))
+        assert sc.offload is None or sc.offload.size_gib == 16.0
     for n in steps:
         sc, first = SCENARIOS[n], SCENARIOS[n.removesuffix("-steps")]
         assert (sc.workload, sc.vllm_args, sc.offload, sc.pair) == (
