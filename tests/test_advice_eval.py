@@ -212,8 +212,9 @@ def test_the_bursts_on_shapes_held_out_test_the_launch_a_load_adds(evals) -> Non
     """Batch 29 (holdout.json's second matrix, staged in session 32 before the launch a load
     adds was written, recorded in session 33 on an H200 host): the bursts on two shapes never
     recorded before, 1.7B and 4B, and on 14B, without offload and with 65536 CPU tokens.
-    Judged by what each pair measured: where offload cost, the offload run turns it off and
-    the run without it does not enable at its size; where it paid, nothing says disable.
+    Judged by what each pair measured: where offload cost, the offload run turns it off,
+    alone and after its run without offload; where it paid, nothing turns it off; nothing
+    is harmful.
 
     The launch term's out-of-sample test, met on 1.7B and missed on 4B: 1.7B's engine is
     launch-bound (its wait charged > 0) and its prediction is within; 4B's loads cost its
