@@ -1,0 +1,58 @@
+"""bench/step_launch.py: a step's launch time from vLLM's step and prefill counters, against
+the launch vLLM's engine-step log measured (docs/whatif.md, "What batch 29 measured")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.step_launch import hinge_fit, main, table
+from exporter.model.whatif.view import BURST_PREFILLS
+
+
+def test_a_hinge_is_recovered_from_its_points() -> None:
+    """Steps of 100 to 8,000 tokens on an engine whose launch is 45 ms and whose token costs
+    10 us: the small steps take the launch, the large ones their compute."""
+    level, cost = 0.045, 1e-5
+    points = [(x, max(level, cost * x), 6.0) for x in range(100, 8001, 250)]
+    fit = hinge_fit(points)
+    assert fit is not None
+    assert fit[0] == pytest.approx(level, abs=0.001)
+    assert fit[1] == pytest.approx(cost, rel=0.02)
+
+
+def test_no_hinge_without_enough_points_or_spread() -> None:
+    assert hinge_fit([(1000.0, 0.05, 1.0)] * 3) is None
+    assert hinge_fit([(1000.0, 0.05, 1.0)] * 20) is None
+
+
+def test_the_hinge_reads_the_launch_the_step_log_measured_where_bursts_are_launch_bound() -> None:
+    """On every recording with the engine-step log whose requests share steps (bursts) and
+    whose hinge says launch-bound, its launch is the logged one within 10 %; where the
+    prefill fit's fixed time is half of it or less (the held-out 4B bursts), that is why the
+    launch a load adds was not charged. The GPU-bound bursts (8B eager and with CUDA graphs,
+    14B) are not called launch-bound."""
+    rows = table()
+    logged = {n: r for n, r in rows.items() if r["logged_launch_ms"] is not None}
+    assert logged
+    bound = {
+        n: r
+        for n, r in logged.items()
+        if r["launch_bound"] and r["requests_per_step"] >= BURST_PREFILLS
+    }
+    assert bound and set(bound) != set(logged)
+    for n, r in bound.items():
+        assert r["hinge_launch_ms"] == pytest.approx(r["logged_launch_ms"], rel=0.1), n
+    assert any(r["prefill_fit_fixed_ms"] <= 0.5 * r["logged_launch_ms"] for r in bound.values())
+    for n, r in logged.items():
+        if n not in bound:
+            assert r["step_compute_ms"] > r["logged_launch_ms"], n
+
+
+def test_the_command_prints_a_row_per_recording_without_offload(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all("-cpu" not in n for n in rows)
+    assert main([]) == 0
+    assert capsys.readouterr().out.startswith("| recording | prefills a step |")
