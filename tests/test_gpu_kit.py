@@ -682,13 +682,24 @@ def test_matrix_scenarios_are_data() -> None:
     # changed (the log is bench evidence: the same pair family, the same work).
     steps = [n for n in SCENARIOS if n.endswith("-steps")]
     assert len(steps) == 6 and all(SCENARIOS[n].step_log for n in steps)
-    # Besides them only holdout.json's second batch logs its steps (its bursts on 1.7B, 4B, 14B)
-    # and its third, batch 30: the 16 GiB its advice named on 4B and 14B, beside a control each.
+    # Besides them only holdout.json's second batch logs its steps (its bursts on 1.7B, 4B, 14B),
+    # its third, batch 30: the 16 GiB its advice named on 4B and 14B, beside a control each,
+    # and batch 31 (staged in session 34): 4B without offload, at 9 and at 16 GiB on one host.
     logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps}
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
-    assert logged == loops | {
+    again = {f"qwen3-4b-concurrent-{t}-rep" for t in ("none", "cpu64k", "cpu16g")}
+    assert logged == loops | again | {
         f"qwen3-{m}-concurrent-{t}" for m in ("1.7b", "4b", "14b") for t in ("none", "cpu64k")
     }
+    for n in again:
+        sc, first = SCENARIOS[n], SCENARIOS[n.removesuffix("-rep")]
+        assert (sc.pair, sc.workload, sc.vllm_args, sc.offload) == (
+            first.pair,
+            first.workload,
+            first.vllm_args,
+            first.offload,
+        )
+        assert n in mk.load_scenarios(files=("holdout.json",))
     for n in loops:
         sc, first = SCENARIOS[n], SCENARIOS[n.split("-concurrent-")[0] + "-concurrent-none"]
         assert (sc.pair, sc.workload, sc.vllm_args) == (first.pair, first.workload, first.vllm_args)
