@@ -194,18 +194,26 @@ def engine_steps(lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
-    """Per offload run of the bursts under `root` (or `names`): its base, `event_steps`, and
-    `engine_steps` of both where both have a step log."""
+def burst_pairs(root: Path, names: Sequence[str] = ()) -> dict[str, str]:
+    """Every offload run of the bursts (`concurrent`) under `root` (or of `names`) whose
+    pair has a run without offload on its machine: that run (matrixkit.base_run)."""
     metas = recording_metas(root, names)
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, str] = {}
     for name in names or sorted(metas):
         meta = metas[name]
         if not meta.get("offload") or (meta.get("workload") or {}).get("name") != "concurrent":
             continue
         base = matrixkit.base_run(metas, name)
-        if base is None:
-            continue
+        if base is not None:
+            out[name] = base
+    return out
+
+
+def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Per offload run of the bursts under `root` (or `names`): its base, `event_steps`, and
+    `engine_steps` of both where both have a step log."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, base in burst_pairs(root, names).items():
         row: dict[str, Any] = {"base": base, **event_steps(root / base, root / name)}
         logs = [root / n / "steps.jsonl.xz" for n in (base, name)]
         if all(p.exists() for p in logs):

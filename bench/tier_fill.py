@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.advice_eval import MATRIX
-from bench.common import loaded_tokens, markdown_table, recording_metas, recordings_main
+from bench.burst_steps import burst_pairs
+from bench.common import loaded_tokens, markdown_table, recordings_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import gpukit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
@@ -92,16 +93,10 @@ def by_part(base: Path, offload: Path) -> dict[str, Any]:
 
 def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """Per offload run of the bursts under `root` (or `names`) with a base on its machine."""
-    metas = recording_metas(root, names)
-    out: dict[str, dict[str, Any]] = {}
-    for name in names or sorted(metas):
-        meta = metas[name]
-        if not meta.get("offload") or (meta.get("workload") or {}).get("name") != "concurrent":
-            continue
-        base = matrixkit.base_run(metas, name)
-        if base is not None:
-            out[name] = {"base": base, **by_part(root / base, root / name)}
-    return out
+    return {
+        name: {"base": base, **by_part(root / base, root / name)}
+        for name, base in burst_pairs(root, names).items()
+    }
 
 
 def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
