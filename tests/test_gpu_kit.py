@@ -10,6 +10,7 @@ import itertools
 import json
 import lzma
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -684,10 +685,15 @@ def test_matrix_scenarios_are_data() -> None:
     assert len(steps) == 6 and all(SCENARIOS[n].step_log for n in steps)
     # Besides them only holdout.json's second batch logs its steps (its bursts on 1.7B, 4B, 14B),
     # its third, batch 30: the 16 GiB its advice named on 4B and 14B, beside a control each,
-    # and batch 31 (staged in session 34): 4B without offload, at 9 and at 16 GiB on one host.
+    # and batches 31 and 32 (session 35): 4B without offload, at 9 and at 16 GiB, twice on one
+    # host.
     logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps}
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
-    again = {f"qwen3-4b-concurrent-{t}-rep" for t in ("none", "cpu64k", "cpu16g")}
+    again = {
+        f"qwen3-4b-concurrent-{t}-{r}"
+        for t in ("none", "cpu64k", "cpu16g")
+        for r in ("rep", "rep2")
+    }
     assert logged == loops | again | {
         f"qwen3-{m}-concurrent-{t}" for m in ("1.7b", "4b", "14b") for t in ("none", "cpu64k")
     }
@@ -699,7 +705,7 @@ def test_matrix_scenarios_are_data() -> None:
         assert sc.offload is None or sc.offload.size_gib == 16.0
     # A `-steps` or `-rep` run is the same work as the run it repeats.
     for n in [*steps, *again]:
-        sc, first = SCENARIOS[n], SCENARIOS[n.removesuffix("-steps").removesuffix("-rep")]
+        sc, first = SCENARIOS[n], SCENARIOS[re.sub(r"-(steps|rep2?)$", "", n)]
         assert (sc.workload, sc.vllm_args, sc.offload, sc.pair) == (
             first.workload,
             first.vllm_args,
