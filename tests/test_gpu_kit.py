@@ -633,7 +633,24 @@ def test_matrix_scenarios_are_data() -> None:
     # Session 22: six recorded; session 23: two closing their loop and 32B chat's pair;
     # session 24 its 32 GiB loop; session 27 8B and 0.6B unique (batch 21, what hides a store).
     # steps.json (batch 28, staged in session 31): the 8B bursts with graphs, step-logged.
-    assert len(graphs) == 18
+    # holdout.json's batch 33 (staged in session 35): 4B's bursts with graphs, the 16 GiB pair
+    # twice, interleaved, step-logged: whether the cost batches 31 and 32 found in every eager
+    # step with the tier on is the CPU's.
+    assert len(graphs) == 18 + 4
+    four = [n for n in graphs if n.startswith("qwen3-4b-")]
+    assert four == [
+        "qwen3-4b-concurrent-graphs-none",
+        "qwen3-4b-concurrent-graphs-cpu16g",
+        "qwen3-4b-concurrent-graphs-none-rep",
+        "qwen3-4b-concurrent-graphs-cpu16g-rep",
+    ]
+    assert set(four) <= set(mk.load_scenarios(files=("holdout.json",)))
+    eager = SCENARIOS["qwen3-4b-concurrent-cpu16g"]
+    for n in four:
+        sc = SCENARIOS[n]
+        assert sc.step_log and sc.vllm_args == () and sc.pair == "qwen3-4b-concurrent"
+        assert sc.workload == eager.workload and sc.shape == eager.shape
+        assert sc.offload in (None, eager.offload)
     # idle.json (batch 22), stores.json's idle pair (batch 23) and machine.json's (batch 24,
     # 8B on batch 23's H100 host): unique prompts at a quarter of the rate, each its own pair
     # family, so that an engine's load is told from its shape.
@@ -687,7 +704,7 @@ def test_matrix_scenarios_are_data() -> None:
     # its third, batch 30: the 16 GiB its advice named on 4B and 14B, beside a control each,
     # and batches 31 and 32 (session 35): 4B without offload, at 9 and at 16 GiB, twice on one
     # host.
-    logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps}
+    logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps + four}
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
     again = {
         f"qwen3-4b-concurrent-{t}-{r}"
