@@ -941,6 +941,36 @@ def test_matrix_plan_session() -> None:
     )
 
 
+def test_matrix_plan_with_each_server_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--max-group 1` (session 35): each server starts after the one before it stopped, so
+    no loaded server sits idle beside a run (in a group the later servers wait through the
+    earlier turns: batches 31 and 32's two runs without offload, two servers beside the
+    first and none beside the last, differed by 9 %). Each start is then paid once a run."""
+    names = [
+        "qwen3-4b-concurrent-graphs-none",
+        "qwen3-4b-concurrent-graphs-cpu16g",
+        "qwen3-4b-concurrent-graphs-none-rep",
+        "qwen3-4b-concurrent-graphs-cpu16g-rep",
+    ]
+    scs = mk.resolve(names, SCENARIOS)
+    together = mk.plan_session(scs, 1450)
+    alone = mk.plan_session(scs, 1450, max_group=1)
+    assert together.groups == (tuple(names),)
+    assert alone.groups == tuple((n,) for n in names) and alone.skipped == ()
+    start = scs[0].shape.est_start_s
+    assert alone.est_total_s == together.est_total_s + 3 * start
+    assert mk.plan_session(scs, 1450, max_group=2).groups == (tuple(names[:2]), tuple(names[2:]))
+    assert (
+        matrix.main(["plan", "--runs", ",".join(names), "--budget", "1450", "--max-group", "1"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["groups"] == [[n] for n in names]
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit) as e:
+            matrix.main(["plan", "--runs", names[0], "--max-group", bad])
+        assert e.value.code == 2
+
+
 def test_matrix_plan_fits_the_card_it_runs_on() -> None:
     """The driver plans for the memory NVML reports: batch 23's three 14B servers shared the
     H200, and on an H100 (session 29) each starts alone. The H200's plan is the one every

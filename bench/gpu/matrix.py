@@ -378,6 +378,9 @@ class Opts:
     settle_s: float = 3.0
     request_timeout_s: float = 120.0
     cpu_smoke: bool = False
+    # Servers started together at most (plan_session); 1: each run alone on the host, none
+    # idle beside it (a group's later servers wait, loaded, through its earlier turns).
+    max_group: int = mk.MAX_GROUP
 
 
 class Driver:
@@ -665,6 +668,7 @@ class Driver:
             scenarios,
             self.left() - 30,
             gpu_capacity_bytes=mk.gpu_capacity_bytes(self.link.get("memory_total_bytes")),
+            max_group=self.o.max_group,
         )
         self.status["plan"] = {
             "groups": plan.groups,
@@ -1156,6 +1160,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         vllm_python=a.vllm_python or sys.executable,
         kit=kit_copy,
         cpu_smoke=a.cpu_smoke,
+        max_group=a.max_group,
     )
     log(f"matrix run: {[s.name for s in scenarios]} deadline in {deadline - time.time():.0f}s")
     d = Driver(opts)
@@ -1171,10 +1176,19 @@ def cmd_run(a: argparse.Namespace) -> int:
         d.children.stop_all(timeout=15)
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return n
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     scs = _scenarios(a)
     total = int(a.gpu_memory_gib * mk.GIB) if a.gpu_memory_gib else None
-    plan = mk.plan_session(scs, a.budget, gpu_capacity_bytes=mk.gpu_capacity_bytes(total))
+    plan = mk.plan_session(
+        scs, a.budget, gpu_capacity_bytes=mk.gpu_capacity_bytes(total), max_group=a.max_group
+    )
     print(json.dumps({"groups": plan.groups, "skipped": plan.skipped, "est_s": plan.est_total_s}))
     return 0
 
@@ -1270,6 +1284,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--runs", required=True, help="scenario names, comma-separated, in order")
         p.add_argument("--scenarios", default=str(mk.SCENARIO_DIR))
 
+    def with_max_group(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--max-group",
+            type=_positive_int,
+            default=mk.MAX_GROUP,
+            help="servers started together at most (default %(default)s); 1 runs each alone, "
+            "with no loaded server idle beside it",
+        )
+
     p = sub.add_parser("run", help="the matrix on the GPU (detachable)")
     with_runs(p)
     p.add_argument("--work", default="/tmp/kvoe-matrix")
@@ -1278,6 +1301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--detach", action="store_true", help="run in a new session, return at once")
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--cpu-smoke", action="store_true")
+    with_max_group(p)
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("collect", help="wait, then pack finished runs into OUT")
@@ -1314,6 +1338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="plan for a GPU of this much memory (default: an H200; on the device the driver "
         "plans for the memory NVML reports)",
     )
+    with_max_group(p)
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("show", help="request-sequence statistics per scenario")

@@ -611,6 +611,7 @@ TURN_OVERHEAD_S = 15.0  # warmup, drain, settle, stop, write
 # 85.5 GB, on which three 14B servers of 38 GiB would not start).
 GPU_CAPACITY_BYTES = 125 * 10**9
 GPU_CAPACITY_SHARE = 0.83
+MAX_GROUP = 8  # servers started together at most
 
 
 def gpu_capacity_bytes(memory_total_bytes: int | None) -> int:
@@ -630,12 +631,14 @@ def plan_session(
     *,
     gpu_capacity_bytes: int = GPU_CAPACITY_BYTES,
     host_pinned_limit_bytes: int = 80 * GIB,
-    max_group: int = 8,
+    max_group: int = MAX_GROUP,
 ) -> Plan:
     """Greedy, in the given order: a scenario joins the open group while GPU memory and pinned
-    host memory fit and the plan still fits the budget; else a new group starts (its servers
-    start together, one wait); what fits nowhere is skipped. Turns run one at a time so no run
-    shares the GPU with another's traffic."""
+    host memory fit, the group has fewer than `max_group` servers and the plan still fits the
+    budget; else a new group starts (its servers start together, one wait); what fits nowhere
+    is skipped. Turns run one at a time so no run shares the GPU with another's traffic, but
+    a group's later servers sit loaded and idle beside its earlier turns (`max_group` 1: none
+    does, each server starts after the one before it stopped)."""
     groups: list[list[Scenario]] = []
     skipped: list[str] = []
 
