@@ -633,7 +633,8 @@ def test_matrix_scenarios_are_data() -> None:
     # Session 22: six recorded; session 23: two closing their loop and 32B chat's pair;
     # session 24 its 32 GiB loop; session 27 8B and 0.6B unique (batch 21, what hides a store).
     # steps.json (batch 28, staged in session 31): the 8B bursts with graphs, step-logged.
-    # holdout.json's batch 33 (staged in session 35): 4B's bursts with graphs, the 16 GiB pair
+    # holdout.json's batch 33 (staged in session 35, recorded in session 36, each server
+    # alone): 4B's bursts with graphs, the 16 GiB pair
     # twice, interleaved, step-logged: whether the cost batches 31 and 32 found in every eager
     # step with the tier on is the CPU's.
     assert len(graphs) == 18 + 4
@@ -704,13 +705,15 @@ def test_matrix_scenarios_are_data() -> None:
     # its third, batch 30: the 16 GiB its advice named on 4B and 14B, beside a control each,
     # and batches 31 and 32 (session 35): 4B without offload, at 9 and at 16 GiB, twice on one
     # host.
+    # Batch 34 (staged in session 36): the eager 4B bursts without offload and at 16 GiB,
+    # twice, each server alone (`-alone`, `-alone2`): batch 33 without its CUDA graphs.
     logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps + four}
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
     again = {
         f"qwen3-4b-concurrent-{t}-{r}"
         for t in ("none", "cpu64k", "cpu16g")
         for r in ("rep", "rep2")
-    }
+    } | {f"qwen3-4b-concurrent-{t}-{r}" for t in ("none", "cpu16g") for r in ("alone", "alone2")}
     assert logged == loops | again | {
         f"qwen3-{m}-concurrent-{t}" for m in ("1.7b", "4b", "14b") for t in ("none", "cpu64k")
     }
@@ -722,7 +725,7 @@ def test_matrix_scenarios_are_data() -> None:
         assert sc.offload is None or sc.offload.size_gib == 16.0
     # A `-steps` or `-rep` run is the same work as the run it repeats.
     for n in [*steps, *again]:
-        sc, first = SCENARIOS[n], SCENARIOS[re.sub(r"-(steps|rep2?)$", "", n)]
+        sc, first = SCENARIOS[n], SCENARIOS[re.sub(r"-(steps|rep2?|alone2?)$", "", n)]
         assert (sc.workload, sc.vllm_args, sc.offload, sc.pair) == (
             first.workload,
             first.vllm_args,
