@@ -1374,14 +1374,13 @@ def test_matrix_recordings_have_the_replay_format() -> None:
         assert not any(stored["token_ids"]) and len(stored["block_ids"]) == len(
             stored["block_hashes"]
         )
-        blocks = mk.workload_block_ids(
-            [*(r.prompt for r in mk.generate(sc)), *mk.warmup_prompts(sc)], 16
-        )
+        prompts = [r.prompt for r in mk.generate(sc)]
+        blocks = mk.workload_block_ids([*prompts, *mk.warmup_prompts(sc)], 16)
         toks = mk.restore_token_ids(first, blocks)["payload"][1][0]["token_ids"]
         assert toks == mk.warmup_prompts(sc)[0][: len(toks)]  # vLLM's first store: the warmup
         reqs = matrix.load_requests(d)
         assert [r["i"] for r in reqs] == list(range(meta["traffic"]["planned_requests"]))
-        assert [r["sent_tokens"] for r in reqs] == [len(r.prompt) for r in mk.generate(sc)]
+        assert [r["sent_tokens"] for r in reqs] == [len(p) for p in prompts]
     pairs = matrix.truth_table(MATRIX)["pairs"]
     session1 = ("qwen3-8b-rag-zipf-cpu64k", "qwen3-8b-chat-cpu64k", "qwen3-0.6b-rag-zipf-cpu64k")
     assert [pairs[n]["verdict"] for n in session1] == ["costs", "neutral", "costs"]

@@ -4,9 +4,11 @@ the launch vLLM's engine-step log measured (docs/whatif.md, "What batch 29 measu
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+from bench.advice_eval import MATRIX
 from bench.step_launch import hinge_fit, main, table
 from exporter.model.whatif.view import BURST_PREFILLS
 
@@ -27,7 +29,15 @@ def test_no_hinge_without_enough_points_or_spread() -> None:
     assert hinge_fit([(1000.0, 0.05, 1.0)] * 20) is None
 
 
-def test_the_hinge_reads_the_launch_the_step_log_measured_where_bursts_are_launch_bound() -> None:
+@pytest.fixture(scope="module")
+def rows() -> dict[str, dict[str, Any]]:
+    """Every recording without offload (the command's default)."""
+    return table()
+
+
+def test_the_hinge_reads_the_launch_the_step_log_measured_where_bursts_are_launch_bound(
+    rows: dict[str, dict[str, Any]],
+) -> None:
     """On every recording with the engine-step log whose requests share steps (bursts) and
     whose hinge says launch-bound, its launch is not under the logged one by more than 10 %,
     and within 10 % of it on each but two: batch 30's 4B control, on another host than batch
@@ -40,7 +50,6 @@ def test_the_hinge_reads_the_launch_the_step_log_measured_where_bursts_are_launc
     time is half the launch or less (the held-out 4B bursts), that is why the launch a load
     adds was not charged. The GPU-bound bursts (8B eager and with CUDA graphs, 14B) are not
     called launch-bound."""
-    rows = table()
     logged = {n: r for n, r in rows.items() if r["logged_launch_ms"] is not None}
     assert logged
     bound = {
@@ -67,9 +76,13 @@ def test_the_hinge_reads_the_launch_the_step_log_measured_where_bursts_are_launc
             assert r["step_compute_ms"] > r["logged_launch_ms"], n
 
 
-def test_the_command_prints_a_row_per_recording_without_offload(capsys) -> None:  # type: ignore[no-untyped-def]
-    assert main(["--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+def test_the_command_prints_a_row_per_recording_without_offload(capsys, rows) -> None:  # type: ignore[no-untyped-def]
+    """Two named recordings (the default, every one, is what the test above reads through
+    table()); without names, a row for each run without offload and none for an offload run."""
+    runs = ["qwen3-4b-concurrent-none", "qwen3-8b-chat-none"]
+    assert main(["--json", str(MATRIX), *runs]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)) == runs
+    assert main([str(MATRIX), *runs]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| recording | prefills a step |") and len(out.splitlines()) == 4
     assert rows and all("-cpu" not in n for n in rows)
-    assert main([]) == 0
-    assert capsys.readouterr().out.startswith("| recording | prefills a step |")

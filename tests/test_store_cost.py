@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.store_cost import (
     COMPUTED,
     FACTORS,
     MATRIX,
     Judged,
+    Row,
     _correlation,
     decide,
     intervals,
@@ -41,8 +44,13 @@ def test_a_rise_within_its_error_gives_no_ratio() -> None:
     assert r.computed_us is not None and r.ratio is None
 
 
-def test_every_offload_run_is_measured_against_its_base() -> None:
-    rs = rows()
+@pytest.fixture(scope="module")
+def measured() -> list[Row]:
+    return rows()
+
+
+def test_every_offload_run_is_measured_against_its_base(measured: list[Row]) -> None:
+    rs = measured
     assert len(rs) >= 20
     assert all(r.base != r.run and "-cpu" in r.run for r in rs)
     lines = table(rs).splitlines()
@@ -50,13 +58,15 @@ def test_every_offload_run_is_measured_against_its_base() -> None:
     assert all(line.count("|") == 11 for line in lines)
 
 
-def test_with_offload_on_nearly_every_computed_token_is_stored_in_its_interval() -> None:
+def test_with_offload_on_nearly_every_computed_token_is_stored_in_its_interval(
+    measured: list[Row],
+) -> None:
     """Why the run alone cannot price a store: stored and computed tokens move together, so
     no interval computes without storing (the last two columns of the table). Where a
     burst's steps are long (14B's bursts, batch 29: 120-190 ms a step, a burst every 2.8 s)
     a step's stores land in the next 1 s interval more often, and the two move together
     over a burst's period (3 intervals) instead."""
-    rs = rows()
+    rs = measured
     assert all(r.stored_share is not None and r.stored_share > 0.8 for r in rs)
     for r in rs:
         assert r.stored_correlation is not None, r.run
