@@ -175,7 +175,7 @@ def _start_stack(work: Path, bandwidth: int, stack: ExitStack) -> Stack:
     stack.callback(vllm.stop)
     _say(
         f"starting vLLM CPU {vllm.url} (tiny random model, {NUM_GPU_BLOCKS} KV blocks of "
-        f"{BLOCK_SIZE} tokens, KV events -> {kv_endpoint}; about a minute on 2 cores) ..."
+        f"{BLOCK_SIZE} tokens, KV events -> {kv_endpoint}; about half a minute on 2 cores) ..."
     )
     vllm.spawn()
     receiver = WebhookReceiver().start()
