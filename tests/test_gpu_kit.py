@@ -636,8 +636,24 @@ def test_matrix_scenarios_are_data() -> None:
     # holdout.json's batch 33 (staged in session 35, recorded in session 36, each server
     # alone): 4B's bursts with graphs, the 16 GiB pair
     # twice, interleaved, step-logged: whether the cost batches 31 and 32 found in every eager
-    # step with the tier on is the CPU's.
-    assert len(graphs) == 18 + 4
+    # step with the tier on is the CPU's. Its batch 35 (staged in session 37): the 8B bursts
+    # with graphs, the same way, each server alone: whether two runs of the same work that
+    # repeat also predict alike (bench.fit_repeat).
+    assert len(graphs) == 18 + 4 + 4
+    alone8 = [n for n in graphs if n.startswith("qwen3-8b-") and re.search(r"-alone2?$", n)]
+    first8 = SCENARIOS["qwen3-8b-concurrent-graphs-cpu16g"]
+    assert alone8 == [
+        "qwen3-8b-concurrent-graphs-none-alone",
+        "qwen3-8b-concurrent-graphs-cpu16g-alone",
+        "qwen3-8b-concurrent-graphs-none-alone2",
+        "qwen3-8b-concurrent-graphs-cpu16g-alone2",
+    ]
+    assert set(alone8) <= set(mk.load_scenarios(files=("holdout.json",)))
+    for n in alone8:
+        sc = SCENARIOS[n]
+        assert sc.step_log and (sc.vllm_args, sc.pair) == (first8.vllm_args, first8.pair)
+        assert (sc.workload, sc.shape) == (first8.workload, first8.shape)
+        assert sc.offload in (None, first8.offload)
     four = [n for n in graphs if n.startswith("qwen3-4b-")]
     assert four == [
         "qwen3-4b-concurrent-graphs-none",
@@ -707,7 +723,7 @@ def test_matrix_scenarios_are_data() -> None:
     # host.
     # Batch 34 (staged in session 36): the eager 4B bursts without offload and at 16 GiB,
     # twice, each server alone (`-alone`, `-alone2`): batch 33 without its CUDA graphs.
-    logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps + four}
+    logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps + four + alone8}
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
     again = {
         f"qwen3-4b-concurrent-{t}-{r}"
