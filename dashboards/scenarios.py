@@ -249,6 +249,7 @@ def current_exporter(config: str) -> list[backfill.Scrape]:
             window=rec.window,
             thresholds=rec.thresholds,
             advice_confirm_cycles=rec.advice_confirm_cycles,
+            advice_confirm_seconds=rec.advice_confirm_seconds,
             assumed_load_bandwidth=rec.assumed_load_bandwidth,
             whatif_sizes=rec.whatif_sizes,
             whatif_policy=rec.whatif_policy,

@@ -171,6 +171,14 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "N",
     ),
     Option(
+        "advice-confirm-seconds",
+        "float",
+        10.0,
+        "seconds a new advice must also have been the evaluations' answer before it replaces "
+        "the current one, whatever the interval (hysteresis; 0: count evaluations only)",
+        "SECONDS",
+    ),
+    Option(
         "threshold",
         "list",
         [],
@@ -282,6 +290,7 @@ class Config:
     model_weight_bytes: int = 0
     gpu_peak_flops: float = 0.0
     advice_confirm_cycles: int = 3
+    advice_confirm_seconds: float = 10.0
     thresholds: Thresholds = DEFAULT_THRESHOLDS
     log_format: str = "text"
     log_level: str = "info"
@@ -598,6 +607,15 @@ def _build(
     )
 
 
+def _hysteresis_problems(cfg: Config) -> list[str]:
+    problems = []
+    if cfg.advice_confirm_cycles < 1:
+        problems.append("--advice-confirm-cycles must be at least 1")
+    if not 0 <= cfg.advice_confirm_seconds < math.inf:
+        problems.append("--advice-confirm-seconds must be finite seconds, not negative")
+    return problems
+
+
 def _value_problems(cfg: Config) -> list[str]:
     """Values out of range, and combinations that do not go together."""
     problems: list[str] = []
@@ -609,8 +627,7 @@ def _value_problems(cfg: Config) -> list[str]:
         problems.append("--scrape-timeout must not be negative")
     if cfg.max_body_bytes < 1024:
         problems.append("--max-body-bytes must be at least 1KiB")
-    if cfg.advice_confirm_cycles < 1:
-        problems.append("--advice-confirm-cycles must be at least 1")
+    problems.extend(_hysteresis_problems(cfg))
     if cfg.kv_bytes_per_token < 0:
         problems.append("--kv-bytes-per-token must not be negative")
     if not 0 <= cfg.gpu_peak_flops < math.inf:

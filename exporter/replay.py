@@ -200,7 +200,10 @@ async def _replay(
     )
     await target.start()
     pipeline = Pipeline(
-        cfg.thresholds, confirm=cfg.advice_confirm_cycles, whatif=whatif_settings(cfg)
+        cfg.thresholds,
+        confirm=cfg.advice_confirm_cycles,
+        confirm_seconds=cfg.advice_confirm_seconds,
+        whatif=whatif_settings(cfg),
     )
     pipeline.remember_before(label, before)
     settings = DeriveSettings(

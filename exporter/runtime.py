@@ -208,7 +208,10 @@ class Exporter:
                 by_label[src.label].kv_events = src
         self.targets = [ts.target for ts in self.watched]
         self.pipeline = Pipeline(
-            cfg.thresholds, confirm=cfg.advice_confirm_cycles, whatif=whatif_settings(cfg)
+            cfg.thresholds,
+            confirm=cfg.advice_confirm_cycles,
+            confirm_seconds=cfg.advice_confirm_seconds,
+            whatif=whatif_settings(cfg),
         )
         self.recorders = {
             ts.label: Writer(directory)

@@ -112,3 +112,26 @@ def test_each_registered_source_brings_its_switch_and_flags():
     env = {"KVOE_NVML": "false", "KVOE_PATH_CGROUP": "/x"}
     cfg = load_config(args, env)
     assert (cfg.kv_events, cfg.nvml, cfg.procfs, cfg.path_cgroup) == (False, False, True, "/x")
+
+
+def test_the_hysteresis_in_evaluations_and_in_seconds(tmp_path):
+    cfg = load_config(args("--vllm-url", "http://a:1"), {})
+    assert (cfg.advice_confirm_cycles, cfg.advice_confirm_seconds) == (3, 10.0)
+    f = tmp_path / "c.yaml"
+    f.write_text("advice_confirm_seconds: 0\n")
+    cfg = load_config(args("--config", str(f), "--vllm-url", "http://a:1"), {})
+    assert cfg.advice_confirm_seconds == 0.0
+    with pytest.raises(ConfigError) as exc:
+        load_config(
+            args(
+                "--vllm-url",
+                "http://a:1",
+                "--advice-confirm-seconds",
+                "-1",
+                "--advice-confirm-cycles",
+                "0",
+            ),
+            {},
+        )
+    assert "--advice-confirm-seconds" in str(exc.value)
+    assert "--advice-confirm-cycles" in str(exc.value)

@@ -84,9 +84,10 @@ class Pipeline:
         thresholds: Thresholds = DEFAULT,
         *,
         confirm: int = 3,
+        confirm_seconds: float = 0.0,
         whatif: WhatIfSettings | None = None,
     ) -> None:
-        self.advisor = Advisor(thresholds, confirm=confirm)
+        self.advisor = Advisor(thresholds, confirm=confirm, confirm_seconds=confirm_seconds)
         self.whatif_settings = whatif or WhatIfSettings()
         self._whatif: dict[str, WhatIf] = {}
         self._recommended: dict[tuple[str, EngineKey], float | None] = {}
@@ -174,7 +175,7 @@ class Pipeline:
                     policy_alternatives=policies,
                     evidence=self._evidence(t.label, d),
                 )
-                advice = self.advisor.update(t.label, inp)
+                advice = self.advisor.update(t.label, inp, inputs.now)
                 self._recommended[(t.label, d.key)] = advice.recommended_buffer_bytes
                 rows.append((inp, advice))
                 present.add((t.label, d.key))

@@ -444,7 +444,7 @@ def _card_html(card: Card, now: float) -> str:
     )
     pending = (
         f"{escape(card.pending_action)} (must win {escape('--advice-confirm-cycles')} "
-        "evaluations in a row)"
+        f"evaluations in a row over {escape('--advice-confirm-seconds')})"
         if card.pending_action
         else "none"
     )

@@ -30,6 +30,8 @@ FAST = [
     "120",
     "--advice-confirm-cycles",
     "1",
+    "--advice-confirm-seconds",
+    "0",
     "--threshold",
     "min_window_seconds=5",
     "--threshold",

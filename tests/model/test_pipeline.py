@@ -56,7 +56,7 @@ class Recommending:
         self.size = size
         self.inputs: list[AdvisorInput] = []
 
-    def update(self, target: str, inp: AdvisorInput) -> Advice:
+    def update(self, target: str, inp: AdvisorInput, now: float | None = None) -> Advice:
         self.inputs.append(inp)
         return Advice(Action.ENABLE_OFFLOAD, Reason.RECOMPUTE_AFTER_EVICTION, "x", self.size)
 

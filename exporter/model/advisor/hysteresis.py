@@ -19,15 +19,26 @@ HELD_THROUGH = frozenset(
 
 
 class Advisor:
-    """Applies hysteresis over evaluations, per engine."""
+    """Applies hysteresis over evaluations, per engine: a new action replaces the standing
+    one once it won `confirm` evaluations in a row and, where the standing one is a decision
+    and a clock is given, has been the evaluations' answer for `confirm_seconds`. Counting
+    evaluations alone makes the delay the collection interval's: three at 5 s span 10 s,
+    three at 1 s span 2, and at 1 s the what-if's first seconds of a decision could leave an
+    action and come back within that."""
 
-    def __init__(self, thresholds: Thresholds = DEFAULT, confirm: int = 3) -> None:
+    def __init__(
+        self, thresholds: Thresholds = DEFAULT, confirm: int = 3, confirm_seconds: float = 0.0
+    ) -> None:
         self.thresholds = thresholds
         self.confirm = max(1, confirm)
+        self.confirm_seconds = max(0.0, confirm_seconds)
         self._current: dict[tuple[str, EngineKey], Advice] = {}
-        self._pending: dict[tuple[str, EngineKey], tuple[Action, int]] = {}
+        # The candidate action, how many evaluations in a row said it, and since when.
+        self._pending: dict[tuple[str, EngineKey], tuple[Action, int, float | None]] = {}
 
-    def update(self, target: str, inp: AdvisorInput) -> Advice:
+    def update(self, target: str, inp: AdvisorInput, now: float | None = None) -> Advice:
+        """`now`: the evaluation's time in seconds (any monotonic origin); without it only
+        the evaluations are counted."""
         key = (target, inp.derived.key)
         fresh = evaluate(inp, self.thresholds)
         current = self._current.get(key)
@@ -42,10 +53,22 @@ class Advisor:
             self._pending.pop(key, None)
             self._current[key] = fresh
             return fresh
-        action, count = self._pending.get(key, (fresh.action, 0))
-        count = count + 1 if action == fresh.action else 1
-        self._pending[key] = (fresh.action, count)
-        if count >= self.confirm:
+        action, count, since = self._pending.get(key, (fresh.action, 0, now))
+        if action != fresh.action:
+            count, since = 0, now
+        count += 1
+        self._pending[key] = (fresh.action, count, since)
+        lasted = now - since if now is not None and since is not None else None
+        # A standing decision is one the operator may have acted on (a vLLM restart with a
+        # new flag): unseating it also takes the seconds. Leaving insufficient_data does not,
+        # there is no advice to protect, only the evaluations.
+        decided = current.action != Action.INSUFFICIENT_DATA
+        if count >= self.confirm and (
+            not decided
+            or self.confirm_seconds <= 0
+            or lasted is None
+            or lasted >= self.confirm_seconds
+        ):
             self._pending.pop(key, None)
             self._current[key] = fresh
             return fresh

@@ -112,3 +112,60 @@ def test_a_decision_holds_through_doubt_that_does_not_last():
     # is gone rather than in doubt, ends it at once.
     assert [adv.update("t", keep).action for _ in range(3)][-1] == Action.KEEP
     assert adv.update("t", inp(base(fresh=False))).action == Action.INSUFFICIENT_DATA
+
+
+def test_a_new_action_must_also_last_the_confirm_seconds():
+    """Three evaluations a second apart are not enough when it must last 10 s; the clock
+    starts when the candidate first appears, and a candidate that changes starts it again."""
+    adv = Advisor(confirm=3, confirm_seconds=10.0)
+    keep = inp(base(**ON))
+    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    assert adv.update("t", keep, 100.0).action == Action.KEEP
+    for t in range(101, 111):  # the candidate since 101 s: 9 s at 110 s
+        held = adv.update("t", drop, float(t))
+        assert held.action == Action.KEEP and held.candidate == Action.DISABLE_OFFLOAD, t
+    assert adv.update("t", keep, 111.0).action == Action.KEEP  # it left: the clock restarts
+    for t in range(112, 122):
+        assert adv.update("t", drop, float(t)).action == Action.KEEP, t
+    assert adv.update("t", drop, 122.0).action == Action.DISABLE_OFFLOAD  # 10 s, 11 in a row
+
+
+def test_the_confirm_seconds_add_to_the_count_not_replace_it():
+    """Evaluations 10 s apart: 10 s have passed at the second, but three must still win."""
+    adv = Advisor(confirm=3, confirm_seconds=10.0)
+    keep = inp(base(**ON))
+    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    adv.update("t", keep, 0.0)
+    assert adv.update("t", drop, 10.0).action == Action.KEEP
+    assert adv.update("t", drop, 20.0).action == Action.KEEP
+    assert adv.update("t", drop, 30.0).action == Action.DISABLE_OFFLOAD
+    # Without a clock only the evaluations count.
+    adv = Advisor(confirm=2, confirm_seconds=10.0)
+    adv.update("t", keep)
+    assert adv.update("t", drop).action == Action.KEEP
+    assert adv.update("t", drop).action == Action.DISABLE_OFFLOAD
+
+
+def test_urgent_advice_does_not_wait_the_confirm_seconds():
+    adv = Advisor(confirm=3, confirm_seconds=60.0)
+    adv.update("t", inp(base(**ON)), 0.0)
+    mem = MemoryState(limit_bytes=16 * GIB, usage_bytes=15.5 * GIB, pool_bytes=1 * GIB)
+    urgent = adv.update("t", inp(base(**ON), memory=mem), 1.0)
+    assert urgent.action == Action.REDUCE_BUFFER_OOM_RISK
+
+
+def test_a_first_decision_needs_the_evaluations_not_the_seconds():
+    """Out of insufficient_data there is no decision to protect: three evaluations in a row
+    decide, a second apart; unseating that decision then takes the seconds too."""
+    adv = Advisor(confirm=3, confirm_seconds=10.0)
+    stale = inp(base(fresh=False))
+    keep = inp(base(**ON))
+    drop = inp(base(**{**ON, "offload_hit_ratio": 0.001, "reuse_ratio": 0.002}))
+    assert adv.update("t", stale, 0.0).action == Action.INSUFFICIENT_DATA
+    assert [adv.update("t", keep, float(t)).action for t in (1, 2, 3)] == [
+        Action.INSUFFICIENT_DATA,
+        Action.INSUFFICIENT_DATA,
+        Action.KEEP,
+    ]
+    assert [adv.update("t", drop, float(t)).action for t in (4, 5, 6)] == [Action.KEEP] * 3
+    assert adv.update("t", drop, 14.0).action == Action.DISABLE_OFFLOAD
