@@ -46,23 +46,16 @@ ESTIMATORS = (BASELINE, "prefill_fit", "prefill_x_queue")
 
 def replicate_pairs(root: Path, names: Sequence[str] = ()) -> list[tuple[str, str]]:
     """Pairs of runs without offload of one family that did the same work on one machine
-    (matrixkit.same_machine, same_work), restricted to `names` where given."""
-    metas = {n: m for n, m in recording_metas(root, names).items() if m.get("offload") is None}
-    if names:
-        metas = {n: m for n, m in metas.items() if n in names}
-    ordered = sorted(metas)
-    records = {n: _requests(root / n) for n in ordered}
-    out = []
-    for i, x in enumerate(ordered):
-        for y in ordered[i + 1 :]:
-            mx, my = metas[x], metas[y]
-            if (
-                mx.get("pair") == my.get("pair")
-                and matrixkit.same_machine(mx, my)
-                and matrixkit.same_work(records[x], records[y])
-            ):
-                out.append((x, y))
-    return out
+    (matrixkit.same_work_pairs), restricted to `names` where given."""
+    metas = {
+        n: m
+        for n, m in recording_metas(root, names).items()
+        if m.get("offload") is None and (not names or n in names)
+    }
+    pairs: list[tuple[str, str]] = matrixkit.same_work_pairs(
+        metas, {n: _requests(root / n) for n in metas}
+    )
+    return pairs
 
 
 def prices(run: Path) -> dict[str, Any]:

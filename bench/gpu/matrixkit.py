@@ -1031,25 +1031,31 @@ def family_noise(
     largest relative difference of their summed TTFT and the two runs. Such a difference is
     the machine's, not offload's: a change no larger than it is not measured."""
     out: dict[str, dict[str, Any]] = {}
-    names = sorted(metas)
-    for i, x in enumerate(names):
-        for y in names[i + 1 :]:
-            mx, my = metas[x], metas[y]
-            if mx.get("pair") != my.get("pair") or (mx.get("offload") is None) != (
-                my.get("offload") is None
-            ):
-                continue
-            if not same_machine(mx, my):
-                continue
-            if not same_work(records[x], records[y]):
-                continue
-            sx = sum(float(r["ttft_s"]) for r in _ok(records[x]).values())
-            sy = sum(float(r["ttft_s"]) for r in _ok(records[y]).values())
-            rel = abs(sx - sy) / min(sx, sy) if min(sx, sy) > 0 else 0.0
-            family = str(mx.get("pair", ""))
-            if rel > out.get(family, {}).get("relative_difference", -1.0):
-                out[family] = {"relative_difference": round(rel, 5), "runs": [x, y]}
+    for x, y in same_work_pairs(metas, records):
+        sx = sum(float(r["ttft_s"]) for r in _ok(records[x]).values())
+        sy = sum(float(r["ttft_s"]) for r in _ok(records[y]).values())
+        rel = abs(sx - sy) / min(sx, sy) if min(sx, sy) > 0 else 0.0
+        family = str(metas[x].get("pair", ""))
+        if rel > out.get(family, {}).get("relative_difference", -1.0):
+            out[family] = {"relative_difference": round(rel, 5), "runs": [x, y]}
     return out
+
+
+def same_work_pairs(
+    metas: Mapping[str, Mapping[str, Any]], records: Mapping[str, Sequence[Mapping[str, Any]]]
+) -> list[tuple[str, str]]:
+    """Every pair of runs (sorted by name) of one pair family, both with offload or both
+    without, that did the same work on one machine (same_work, same_machine)."""
+    names = sorted(metas)
+    return [
+        (x, y)
+        for i, x in enumerate(names)
+        for y in names[i + 1 :]
+        if metas[x].get("pair") == metas[y].get("pair")
+        and (metas[x].get("offload") is None) == (metas[y].get("offload") is None)
+        and same_machine(metas[x], metas[y])
+        and same_work(records[x], records[y])
+    ]
 
 
 def noise_of(noise: Mapping[str, Any] | None) -> float:
