@@ -8,6 +8,7 @@ import json
 import urllib.request
 
 from exporter.model.history import EngineRef
+from exporter.render.status_page import Card, _card_html
 from exporter.status import advice_items, card_extras, engine_charts, status_view
 from testbed.browser import served_replay
 
@@ -79,3 +80,16 @@ def test_engine_charts_of_an_unknown_engine_say_no_data() -> None:
     charts = engine_charts(History(60.0), EngineRef("t", "m", "0"), DEFAULT)
     assert all(not ln.points for c in charts for ln in c.lines)
     assert all(c.no_data.startswith("no data") for c in charts)
+
+
+def test_a_pending_change_names_the_hysteresis_it_must_pass() -> None:
+    """Out of insufficient_data the evaluations decide alone; a standing decision also
+    takes --advice-confirm-seconds (docs/advisor.md, "Hysteresis")."""
+
+    def card(action: str) -> Card:
+        return Card("t", "m", "0", action, "r", "x", None, None, False, None, "enable_offload", ())
+
+    waiting = _card_html(card("insufficient_data"), 0.0)
+    decided = _card_html(card("no_action"), 0.0)
+    assert "evaluations in a row)" in waiting and "--advice-confirm-seconds" not in waiting
+    assert "evaluations in a row over --advice-confirm-seconds)" in decided

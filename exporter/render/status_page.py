@@ -442,9 +442,13 @@ def _card_html(card: Card, now: float) -> str:
         if card.since is not None
         else "&mdash;"
     )
+    # Out of insufficient_data the evaluations decide alone; a decision also takes the seconds.
+    over = (
+        "" if card.action == "insufficient_data" else f" over {escape('--advice-confirm-seconds')}"
+    )
     pending = (
         f"{escape(card.pending_action)} (must win {escape('--advice-confirm-cycles')} "
-        f"evaluations in a row over {escape('--advice-confirm-seconds')})"
+        f"evaluations in a row{over})"
         if card.pending_action
         else "none"
     )
