@@ -175,7 +175,8 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "float",
         10.0,
         "seconds a new advice must also have been the evaluations' answer before it replaces "
-        "the current one, whatever the interval (hysteresis; 0: count evaluations only)",
+        "a standing decision, whatever the interval (hysteresis; leaving insufficient_data "
+        "takes the evaluations only; 0: count evaluations only)",
         "SECONDS",
     ),
     Option(
