@@ -3,6 +3,8 @@
     python -m bench.soak                       # 1 hour, starts its own vLLM (KV events on)
     python -m bench.soak --duration 120 --warmup 40     # the CI variant (tests/faults)
     python -m bench.soak --attach http://127.0.0.1:8000 # an already running vLLM
+    python -m bench.soak --duration 180 --warmup 60 --window 30 --vllm-replay
+                                               # the CI variant's server (replay endpoint on)
 
 Every --sample-interval seconds it records the exporter's resident memory and open file
 descriptors (from /proc/PID), its threads, its asyncio task count (from /api/v1/status)
@@ -11,7 +13,7 @@ and the KV-event batches left queued after the last cycle's drain (the backlog,
 least one --window, so the sliding window is full) the first and last thirds of the
 samples are compared: each quantity must stay within --tolerance (5%) of its level,
 with one unit of slack for small counts (fds, tasks, threads). Exit status 1 if not.
-Everything runs on 127.0.0.1 and stops by itself after --duration.
+Everything runs on 127.0.0.1 and stops by itself after --duration, or on ^C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -219,12 +222,18 @@ def run(
     extra_args: Sequence[str] = (),
     log: bool = True,
     malloc_arena_max: int = MALLOC_ARENA_MAX,
+    vllm_replay: bool = False,
 ) -> SoakResult:
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvoe-soak-"))
     server = None
     if attach is None:
         kv_events_endpoint = kv_events_endpoint or f"tcp://127.0.0.1:{free_port()}"
-        server = VllmServer(workdir / "vllm", kv_events_endpoint=kv_events_endpoint).start()
+        # The replay buffer (10,000 batches) grows vLLM's heap and so its smaps, which the
+        # exporter reads every 30 s: the tests' session server has it on.
+        replay = f"tcp://127.0.0.1:{free_port()}" if vllm_replay else None
+        server = VllmServer(
+            workdir / "vllm", kv_events_endpoint=kv_events_endpoint, replay_endpoint=replay
+        ).start()
         url = server.url
     else:
         url = attach
@@ -298,6 +307,10 @@ def report(result: SoakResult) -> str:
     return "\n".join(lines)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--duration", type=float, default=3600.0, help="seconds (default 3600)")
@@ -306,6 +319,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=0.05)
     p.add_argument("--attach", help="URL of a running vLLM instead of starting one")
     p.add_argument("--kv-events-endpoint", help="with --attach: where that vLLM publishes to")
+    p.add_argument(
+        "--vllm-replay",
+        action="store_true",
+        help="start vLLM with its KV-event replay endpoint on, as the tests' server is",
+    )
     p.add_argument("--interval", type=float, default=1.0, help="exporter --interval")
     p.add_argument("--window", type=float, default=60.0, help="exporter --window")
     p.add_argument("--workdir", type=Path)
@@ -321,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.warmup < a.window:
         p.error("--warmup must be at least --window (the window fills during warm-up)")
+    if a.vllm_replay and a.attach:
+        p.error("--vllm-replay starts vLLM; an --attach'ed one is configured already")
+    # A SIGTERM unwinds like ^C, so the vLLM server and the exporter started here stop too.
+    signal.signal(signal.SIGTERM, _interrupt)
     result = run(
         duration=a.duration,
         warmup=a.warmup,
@@ -333,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         window=a.window,
         extra_args=a.exporter_arg,
         malloc_arena_max=a.malloc_arena_max,
+        vllm_replay=a.vllm_replay,
     )
     print(report(result))
     if a.json:

@@ -9,11 +9,12 @@ root's start time, and the tree is rescanned every TREE_REFRESH seconds or when 
 
 from __future__ import annotations
 
+import codecs
 import errno
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +34,22 @@ from exporter.vllm_cmdline import is_vllm_server, parse_environ
 log = logging.getLogger("kvoe.procfs")
 
 DISCOVERY_RETRY = 30.0
+# ProcFS.pieces' read size. Below glibc's initial mmap threshold (128 KiB): a large file read
+# whole (a GPU vLLM's smaps is megabytes) is a transient allocation that raises the
+# threshold, and the heap kept the peak; the CI soak saw RSS grow in steps with every smaps
+# refresh while Python's heap stayed flat (docs/reliability.md "Resident memory").
+PIECE_BYTES = 64 * 1024
 # The vLLM process tree is spawned at start-up; rescanning every process's parent each
 # cycle was most of this collector's CPU. A member that vanishes forces a rescan.
 TREE_REFRESH = 10.0
 DEFAULT_VLLM_PORT = 8000
+
+
+def _newlines(text: str) -> str:
+    # Universal newlines, as open() reads them.
+    if "\r" in text:
+        return text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
 
 
 def vanished(exc: OSError) -> bool:
@@ -68,14 +81,29 @@ class ProcFS:
         fd = os.open(self.path(pid, name), os.O_RDONLY | os.O_CLOEXEC)
         try:
             chunks: list[bytes] = []
-            while chunk := os.read(fd, 1 << 20):
+            while chunk := os.read(fd, PIECE_BYTES):
                 chunks.append(chunk)
         finally:
             os.close(fd)
-        text = b"".join(chunks).decode("utf-8", "replace")
-        if "\r" in text:
-            text = text.replace("\r\n", "\n").replace("\r", "\n")
-        return text
+        return _newlines(b"".join(chunks).decode("utf-8", "replace"))
+
+    def pieces(self, pid: int | str, name: str, size: int = PIECE_BYTES) -> Iterator[str]:
+        """The text() of a file in pieces of at most `size` bytes read, so that a large file
+        is never held whole; a character or a CRLF that two reads split is held back to
+        the next piece."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        held = ""
+        fd = os.open(self.path(pid, name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while chunk := os.read(fd, size):
+                text = held + decoder.decode(chunk)
+                text, held = (text[:-1], "\r") if text.endswith("\r") else (text, "")
+                if text:
+                    yield _newlines(text)
+            if tail := held + decoder.decode(b"", final=True):
+                yield _newlines(tail)
+        finally:
+            os.close(fd)
 
     def cmdline(self, pid: int) -> tuple[str, ...]:
         return parse_cmdline((self.root / str(pid) / "cmdline").read_bytes())

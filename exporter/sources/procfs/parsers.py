@@ -197,6 +197,34 @@ def _shared_rw_lines(text: str) -> list[int]:
     return sorted(starts)
 
 
+def pinned_mappings_in(pieces: Iterable[str]) -> list[SmapsEntry]:
+    """pinned_mappings() of the text the pieces join to, holding at most one piece and the
+    mapping block it cuts: each piece is parsed up to its last mapping header, the rest
+    carried into the next."""
+    out: list[SmapsEntry] = []
+    carry = ""
+    for piece in pieces:
+        text = carry + piece
+        cut = _last_header(text)
+        if cut <= 0:
+            carry = text
+            continue
+        out += pinned_mappings(text[:cut])
+        carry = text[cut:]
+    if carry:
+        out += pinned_mappings(carry)
+    return out
+
+
+def _last_header(text: str) -> int:
+    """Where the last mapping header that a newline precedes starts; 0 if none does."""
+    at = len(text)
+    while (at := text.rfind("\n", 0, at)) >= 0:
+        if _HEADER_RE.match(text, at):
+            return at + 1
+    return 0
+
+
 def pinned_mappings(text: str) -> list[SmapsEntry]:
     """The mappings of /proc/PID/smaps that is_pinned_mapping() takes, as parse_smaps()
     reads them from the kernel's layout, without splitting the rest: the shared writable

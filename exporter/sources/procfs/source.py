@@ -35,7 +35,7 @@ from exporter.sources.procfs.parsers import (
     dev_shm_usage,
     offload_pool,
     parse_status,
-    pinned_mappings,
+    pinned_mappings_in,
     role_of,
 )
 from exporter.vllm_cmdline import LaunchConfig, launch_config
@@ -169,7 +169,7 @@ class ProcfsSource:
             maps = cached[2]
         else:
             try:
-                maps = pinned_mappings(self.fs.text(pid, "smaps"))
+                maps = pinned_mappings_in(self.fs.pieces(pid, "smaps"))
             except OSError as exc:
                 if vanished(exc) and not (self.fs.root / str(pid)).exists():
                     return None

@@ -207,3 +207,17 @@ async def test_argv_is_kept_with_the_tree_and_read_again_when_a_process_retitles
     snap = src.snapshot()
     assert snap is not None and {p.pid: p.role for p in snap.processes}[TRACKER] == "worker"
     assert src.discovery.starttime(TRACKER) == 1000 + TRACKER
+
+
+def test_pieces_read_a_file_as_text_reads_it(tmp_path):
+    """A character or a CRLF that two reads split is decoded whole, bad bytes are replaced
+    alike and line breaks are universal, as text() reads the file whole."""
+    d = tmp_path / "7"
+    d.mkdir()
+    raw = "Name:\tpyth\u00f6n \u20ac\r\nState:\tS\rx\r".encode() + b"\xff tail\r"
+    (d / "status").write_bytes(raw)
+    fs = ProcFS(tmp_path)
+    whole = fs.text(7, "status")
+    assert whole == "Name:\tpyth\u00f6n \u20ac\nState:\tS\nx\n\ufffd tail\n"
+    for size in range(1, len(raw) + 2):
+        assert "".join(fs.pieces(7, "status", size)) == whole, size

@@ -23,6 +23,7 @@ from exporter.sources.procfs.parsers import (
     parse_status,
     pinned_bytes,
     pinned_mappings,
+    pinned_mappings_in,
     role_of,
     url_port,
 )
@@ -236,6 +237,18 @@ def test_pinned_mappings_are_the_pinned_ones_parse_smaps_finds():
         ("/dev/shm/vllm_offload_0.mmap", 0, 0),  # its block ends at the next header
     ]
     assert pinned_mappings(text) == want
+
+
+def test_pinned_mappings_in_pieces_are_those_of_the_whole_text():
+    """The source parses smaps as it reads it: wherever the reads cut (inside a header, a
+    field, a block), the mappings found are those of the whole file."""
+    engine = (SMAPS / "vllm-0.26.0-h200-b_offload" / "engine_smaps.txt").read_text()
+    want = pinned_mappings(engine)
+    assert len(want) >= 28
+    for size in (1, 7, 61, 1000, 4096, len(engine)):
+        pieces = [engine[i : i + size] for i in range(0, len(engine), size)]
+        assert pinned_mappings_in(pieces) == want, size
+    assert pinned_mappings_in([]) == [] == pinned_mappings_in(["", ""])
 
 
 def test_status_with_other_line_breaks_reads_as_splitlines_does():
