@@ -10,9 +10,18 @@ latency is asserted.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from bench.soak import Sample, backlog, judge, report, run
+from testbed.procs import free_port
+from tests.helpers import REPO
 
 
 def _samples(depths: list[float]) -> list[Sample]:
@@ -64,3 +73,45 @@ def test_soak_two_minutes_is_flat(vllm_server, tmp_path) -> None:
     assert result.cycles >= 20, text  # the loop kept cycling (liveness, not speed)
     for v in result.verdicts:
         assert v.flat, text
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(d.name))
+    return out
+
+
+def test_a_sigterm_stops_the_soak_and_the_exporter_it_started(tmp_path) -> None:
+    """The soak starts the exporter in a session of its own, which a signal to the soak
+    does not reach: a SIGTERM must unwind the soak like ^C so that it stops the exporter
+    too (it was left running, an orphan). Against a dead vLLM URL: the exporter runs and
+    reports the target down, the workload's requests fail, neither matters here."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    args = ["--attach", dead, "--duration", "120", "--warmup", "10", "--window", "10"]
+    soak = subprocess.Popen(
+        [sys.executable, "-m", "bench.soak", *args, "--workdir", str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (exporters := _children(soak.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert exporters, "the soak started no exporter within 60 s"
+        time.sleep(2.0)  # past the exporter's start, into the sampling loop
+        soak.send_signal(signal.SIGTERM)
+        out, _ = soak.communicate(timeout=60)
+    finally:
+        soak.kill()
+    alive = [p for p in exporters if Path(f"/proc/{p}").exists()]
+    for pid in alive:  # the test leaves no orphan either when it fails
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, out.decode(errors="replace")
