@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from bench.soak import Sample, backlog, judge, report, run
-from testbed.procs import free_port
+from testbed.procs import free_port, group_members
 from tests.helpers import REPO
 
 
@@ -111,7 +111,8 @@ def test_a_sigterm_stops_the_soak_and_the_exporter_it_started(tmp_path) -> None:
         out, _ = soak.communicate(timeout=60)
     finally:
         soak.kill()
-    alive = [p for p in exporters if Path(f"/proc/{p}").exists()]
+    # The exporter leads a process group of its own: none of it may be left.
+    alive = [p for e in exporters for p in group_members(e)]
     for pid in alive:  # the test leaves no orphan either when it fails
         os.kill(pid, signal.SIGKILL)
     assert not alive, out.decode(errors="replace")
