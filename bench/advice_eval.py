@@ -334,8 +334,8 @@ def _prune(keep: int = CACHE_KEEP) -> None:
         old.unlink(missing_ok=True)
 
 
-def cache_key(root: Path, interval: float) -> str:
-    h = hashlib.sha256(f"{interval!r} {sys.version}".encode())
+def cache_key(root: Path, interval: float, full: bool = True) -> str:
+    h = hashlib.sha256(f"{interval!r} {full} {sys.version}".encode())
     for base, files in (
         (REPO, [f for d in ("exporter", "bench") for f in (REPO / d).rglob("*")]),
         (root, list(root.rglob("*"))),
@@ -361,20 +361,24 @@ def _from_json(d: dict[str, Any]) -> RunEval:
     )
 
 
-def evaluate(root: Path = MATRIX, interval: float | None = None) -> list[RunEval]:
+def evaluate(
+    root: Path = MATRIX, interval: float | None = None, *, full: bool = True
+) -> list[RunEval]:
     """Every recording under root judged; `interval`: the exporter's --interval the replays
     run at (default: the exporter's default; one scrape per interval where it is coarser
     than the recordings' 1 s). Read from the cache (above) where the same code evaluated
-    the same recordings before."""
+    the same recordings before. `full=False`: the advice alone, without the predictions
+    and the replays after a run without offload (no `predictions`, `after` None), about
+    half the replays."""
     interval = Config().interval if interval is None else interval
     if os.environ.get("KVOE_EVAL_CACHE", "on") == "off":
-        return _evaluate(root, interval)
-    path = CACHE / f"{cache_key(root, interval)}.json"
+        return _evaluate(root, interval, full)
+    path = CACHE / f"{cache_key(root, interval, full)}.json"
     try:
         return [_from_json(d) for d in json.loads(path.read_text())]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none yet, or unreadable: evaluate
-    evals = _evaluate(root, interval)
+    evals = _evaluate(root, interval, full)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         CACHE.mkdir(parents=True, exist_ok=True)
@@ -447,7 +451,7 @@ class Judged:
     truth: dict[str, Any] | None  # the truth there (None: no run of that size)
 
 
-def _evaluate(root: Path, interval: float) -> list[RunEval]:
+def _evaluate(root: Path, interval: float, full: bool = True) -> list[RunEval]:
     truths = Truths(root)
     runs, metas = truths.runs, truths.metas
     pairs = {r.name: truths.pairs(r.name) for r in runs}
@@ -464,14 +468,19 @@ def _evaluate(root: Path, interval: float) -> list[RunEval]:
                 pool.map(
                     _replay,
                     [
-                        (r, tuple(int(b) for b in sorted(pairs[r.name])), None, interval)
+                        (
+                            r,
+                            tuple(int(b) for b in sorted(pairs[r.name])) if full else (),
+                            None,
+                            interval,
+                        )
                         for r in without
                     ],
                 ),
                 strict=True,
             )
         )
-        after_of = [r for r in with_ if bases[r.name] in done]
+        after_of = [r for r in with_ if bases[r.name] in done] if full else []
         jobs: list[_Job] = [(r, (), None, interval) for r in with_] + [
             (r, (), done[str(bases[r.name])].before, interval) for r in after_of
         ]

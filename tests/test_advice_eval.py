@@ -629,7 +629,7 @@ def test_collecting_less_often_decides_less_but_never_harms() -> None:
     settles on may be harmful or swing back, but for the one run harmful at 1 s too, batch
     32's 4B run without offload (test_no_advice_is_harmful), which enables 16 GiB at every
     interval."""
-    coarse = evaluate(interval=5.0)
+    coarse = evaluate(interval=5.0, full=False)
     s = summary(coarse)
     assert s["harmful"] == ["qwen3-4b-concurrent-none-rep2"] and s["swinging"] == []
     assert s["runs"] == len(coarse) >= 60
@@ -854,8 +854,16 @@ def test_a_cached_evaluation_is_the_evaluation(
         shutil.copytree(MATRIX / name, tmp_path / name)
     key = cache_key(tmp_path, 1.0)
     assert key == cache_key(tmp_path, 1.0) != cache_key(tmp_path, 2.0)
+    assert cache_key(tmp_path, 1.0, full=False) != key
     fresh = evaluate(tmp_path)  # written to the cache, or read where a run wrote it
     assert evaluate(tmp_path) == fresh
+    # The advice alone: the same actions, neither predictions nor replays after a prior.
+    alone = evaluate(tmp_path, full=False)
+    assert [(e.run, e.action, e.first_decision_s) for e in alone] == [
+        (e.run, e.action, e.first_decision_s) for e in fresh
+    ]
+    assert any(e.predictions for e in fresh) and not any(e.predictions for e in alone)
+    assert any(e.after for e in fresh) and not any(e.after for e in alone)
     monkeypatch.setenv("KVOE_EVAL_CACHE", "off")
     assert evaluate(tmp_path) == fresh  # evaluated again, not read
     # Where the cache cannot be written (a read-only checkout): evaluated, not kept.
