@@ -173,7 +173,7 @@ CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "advice-confirm-seconds",
         "float",
-        10.0,
+        30.0,
         "seconds a new advice must also have been the evaluations' answer before it replaces "
         "a standing decision, whatever the interval (hysteresis; leaving insufficient_data "
         "takes the evaluations only; 0: count evaluations only)",
@@ -291,7 +291,7 @@ class Config:
     model_weight_bytes: int = 0
     gpu_peak_flops: float = 0.0
     advice_confirm_cycles: int = 3
-    advice_confirm_seconds: float = 10.0
+    advice_confirm_seconds: float = 30.0
     thresholds: Thresholds = DEFAULT_THRESHOLDS
     log_format: str = "text"
     log_level: str = "info"

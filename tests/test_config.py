@@ -116,7 +116,7 @@ def test_each_registered_source_brings_its_switch_and_flags():
 
 def test_the_hysteresis_in_evaluations_and_in_seconds(tmp_path):
     cfg = load_config(args("--vllm-url", "http://a:1"), {})
-    assert (cfg.advice_confirm_cycles, cfg.advice_confirm_seconds) == (3, 10.0)
+    assert (cfg.advice_confirm_cycles, cfg.advice_confirm_seconds) == (3, 30.0)
     f = tmp_path / "c.yaml"
     f.write_text("advice_confirm_seconds: 0\n")
     cfg = load_config(args("--config", str(f), "--vllm-url", "http://a:1"), {})
