@@ -10,6 +10,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -60,20 +61,28 @@ def start(
     )
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live processes of a process group (zombies are dead already: their parent or
-    init reaps them)."""
-    out = []
+def _live_processes() -> Iterator[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every live process (zombies are dead already:
+    their parent or init reaps them)."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            state, _ppid, pgrp = (d / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            state, ppid, pgrp = (d / "stat").read_text().rsplit(")", 1)[1].split()[:3]
         except (OSError, ValueError):
             continue
-        if pgrp == str(pgid) and state != "Z":
-            out.append(int(d.name))
-    return out
+        if state != "Z":
+            yield int(d.name), int(ppid), int(pgrp)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of a process group."""
+    return [pid for pid, _, pgrp in _live_processes() if pgrp == pgid]
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`."""
+    return [child for child, ppid, _ in _live_processes() if ppid == pid]
 
 
 def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 20.0, linger: float = 10.0) -> None:

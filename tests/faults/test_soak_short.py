@@ -15,12 +15,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from bench.soak import Sample, backlog, judge, report, run
-from testbed.procs import free_port, group_members
+from testbed.procs import children, free_port, group_members
 from tests.helpers import REPO
 
 
@@ -75,19 +74,6 @@ def test_soak_two_minutes_is_flat(vllm_server, tmp_path) -> None:
         assert v.flat, text
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.append(int(d.name))
-    return out
-
-
 def test_a_sigterm_stops_the_soak_and_the_exporter_it_started(tmp_path) -> None:
     """The soak starts the exporter in a session of its own, which a signal to the soak
     does not reach: a SIGTERM must unwind the soak like ^C so that it stops the exporter
@@ -103,7 +89,7 @@ def test_a_sigterm_stops_the_soak_and_the_exporter_it_started(tmp_path) -> None:
     )
     try:
         deadline = time.monotonic() + 60
-        while not (exporters := _children(soak.pid)) and time.monotonic() < deadline:
+        while not (exporters := children(soak.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert exporters, "the soak started no exporter within 60 s"
         time.sleep(2.0)  # past the exporter's start, into the sampling loop
