@@ -722,14 +722,20 @@ def test_matrix_scenarios_are_data() -> None:
     # and batches 31 and 32 (session 35): 4B without offload, at 9 and at 16 GiB, twice on one
     # host.
     # Batch 34 (staged in session 36): the eager 4B bursts without offload and at 16 GiB,
-    # twice, each server alone (`-alone`, `-alone2`): batch 33 without its CUDA graphs.
+    # twice, each server alone (`-alone`, `-alone2`): batch 33 without its CUDA graphs; batch
+    # 36 (staged in session 40) the same on 8B: batch 35 without its CUDA graphs.
     logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps + four + alone8}
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
     again = {
         f"qwen3-4b-concurrent-{t}-{r}"
         for t in ("none", "cpu64k", "cpu16g")
         for r in ("rep", "rep2")
-    } | {f"qwen3-4b-concurrent-{t}-{r}" for t in ("none", "cpu16g") for r in ("alone", "alone2")}
+    } | {
+        f"qwen3-{m}-concurrent-{t}-{r}"
+        for m in ("4b", "8b")
+        for t in ("none", "cpu16g")
+        for r in ("alone", "alone2")
+    }
     assert logged == loops | again | {
         f"qwen3-{m}-concurrent-{t}" for m in ("1.7b", "4b", "14b") for t in ("none", "cpu64k")
     }
