@@ -13,7 +13,9 @@ loaded where its cached tokens exceed its own in the run without offload (as in
 `bench.latency_parts`); per burst in which one did, how long after that first step the last
 loader got its first token, and the same requests in the run without offload (they computed
 their prefix there, in that step or the next). The loads' wait beyond the run without
-offload is that difference, the burst's loaders saved of their compute included.
+offload is that difference, the burst's loaders saved of their compute included. Beside
+them, the pair's summed TTFT change (`matrixkit.paired_truth`), and under the table how well
+the first step's change orders it over the pairs shown (Spearman's rho).
 
 From the engine-step log where a recording has one (`steps.jsonl.xz`, `"step_log": true`
 scenarios since batch 28; bench/gpu/steplog.py): each step's model time (from its plan, or
@@ -71,9 +73,8 @@ def event_steps(base: Path, offload: Path) -> dict[str, Any]:
     the latter per burst) and the mean TTFT change of a request in the bursts without one."""
     b_steps, o_steps = gpu_store_steps(base), gpu_store_steps(offload)
     bursts: dict[int, list[tuple[Mapping[str, Any], Mapping[str, Any]]]] = defaultdict(list)
-    pairs = matrixkit.matched_requests(
-        matrixkit.load_requests(base), matrixkit.load_requests(offload)
-    )
+    b_records, o_records = matrixkit.load_requests(base), matrixkit.load_requests(offload)
+    pairs = matrixkit.matched_requests(b_records, o_records)
     for b, o in pairs:
         burst = (b.get("tags") or {}).get("burst")
         if burst is not None:
@@ -112,7 +113,9 @@ def event_steps(base: Path, offload: Path) -> dict[str, Any]:
             after[side].append(span)
         waited.append(spans["offload"][1] - spans["base"][1])
         loaders.append(len(mine))
+    change = matrixkit.paired_truth(b_records, o_records).get("relative_change")
     return {
+        "summed_ttft_change": None if change is None else round(float(change), 4),
         "bursts_loading": len(waited),
         "loaders_per_burst": round(statistics.fmean(loaders), 2) if loaders else None,
         "first_step_ms": {side: _median(v) for side, v in first.items()},
@@ -225,6 +228,49 @@ def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str,
     return out
 
 
+def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rho of two paired series (ties take their mean rank); None under 3 pairs
+    or where either series is constant."""
+    if len(xs) != len(ys) or len(xs) < 3:
+        return None
+
+    def ranks(v: Sequence[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in order[i : j + 1]:
+                out[k] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else None
+
+
+def first_step_order(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """How well the change of a burst's first step with the tier orders the change of summed
+    TTFT over the pairs in `rows` (docs/whatif.md, "What batch 36 measured")."""
+    xs, ys = [], []
+    for r in rows.values():
+        first, change = r.get("first_step_ms") or {}, r.get("summed_ttft_change")
+        if (
+            first.get("base") is not None
+            and first.get("offload") is not None
+            and change is not None
+        ):
+            xs.append(first["offload"] - first["base"])
+            ys.append(change)
+    rho = rank_correlation(xs, ys)
+    return {"pairs": len(xs), "rho": None if rho is None else round(rho, 3)}
+
+
 def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
     def v(x: object) -> str:
         return "-" if x is None else f"{x}"
@@ -242,6 +288,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
         "loads waited more ms",
         "bursts that loaded: TTFT change ms, loaders / others",
         "bursts without loads: TTFT change a request ms (bursts)",
+        "summed TTFT change",
     ]
     body = [
         [
@@ -254,10 +301,17 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
             v(r["loaders_waited_more_ms"]),
             f"{signed(r['ttft_change_ms']['loaders'])} / {signed(r['ttft_change_ms']['others'])}",
             f"{signed(r['without_loads_ttft_change_ms'])} ({r['bursts_without_loads']})",
+            "-" if r["summed_ttft_change"] is None else f"{100 * r['summed_ttft_change']:+.1f} %",
         ]
         for name, r in rows.items()
     ]
-    return markdown_table(header, body)
+    order = first_step_order(rows)
+    rho = "-" if order["rho"] is None else f"{order['rho']:.2f}"
+    return (
+        markdown_table(header, body)
+        + f"\n\nThe first step's change against the summed TTFT change: Spearman's rho {rho}"
+        + f" over {order['pairs']} pairs."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

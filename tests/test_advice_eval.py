@@ -234,7 +234,8 @@ def test_the_bursts_on_shapes_held_out_test_the_launch_a_load_adds(evals) -> Non
     control, told no_action, agrees too; its prediction there (-0.046 for +0.008) counts as
     within since session 35 only because batches 31 and 32 widened the family's band to 23.5 %.
     Those two batches are judged in their own test (ONE_HOST), batch 33 in its (GRAPHS_ALONE),
-    batch 34 in its (EAGER_ALONE) and batch 35 in its (GRAPHS8_ALONE)."""
+    batch 34 in its (EAGER_ALONE), batch 35 in its (GRAPHS8_ALONE) and batch 36 in its
+    (EAGER8_ALONE)."""
     held = {
         e.run: e
         for e in evals
@@ -244,6 +245,7 @@ def test_the_bursts_on_shapes_held_out_test_the_launch_a_load_adds(evals) -> Non
         and not GRAPHS_ALONE.search(e.run)
         and not EAGER_ALONE.search(e.run)
         and not GRAPHS8_ALONE.search(e.run)
+        and not EAGER8_ALONE.search(e.run)
     }
     shapes = ("qwen3-1.7b", "qwen3-4b", "qwen3-14b")
     loops = {
@@ -295,11 +297,12 @@ def test_the_bursts_on_shapes_held_out_test_the_launch_a_load_adds(evals) -> Non
 
 # Batches 31 and 32: 4B's eager bursts again, on one host; batch 33: the same with CUDA graphs,
 # each server alone; batch 34: eager again, each server alone; batch 35: 8B's bursts with CUDA
-# graphs, each server alone.
+# graphs, each server alone; batch 36: 8B's eager bursts, each server alone.
 ONE_HOST = re.compile(r"^qwen3-4b-concurrent-(none|cpu64k|cpu16g)-rep2?$")
 GRAPHS_ALONE = re.compile(r"^qwen3-4b-concurrent-graphs-")
 EAGER_ALONE = re.compile(r"^qwen3-4b-concurrent-(none|cpu16g)-alone2?$")
 GRAPHS8_ALONE = re.compile(r"^qwen3-8b-concurrent-graphs-(none|cpu16g)-alone2?$")
+EAGER8_ALONE = re.compile(r"^qwen3-8b-concurrent-(none|cpu16g)-alone2?$")
 
 
 def test_4b_bursts_on_one_host_cost_what_their_run_with_the_tier_did_not_show_before(evals) -> None:  # type: ignore[no-untyped-def]
@@ -378,7 +381,9 @@ def test_4b_bursts_on_one_host_cost_what_their_run_with_the_tier_did_not_show_be
         ]
         for on, base in pairs.items()
     }
-    assert len(fixed) == 8 and _rank_correlation(fixed, cost) > 0.9
+    keys = sorted(fixed)
+    rho = burst_steps.rank_correlation([fixed[k] for k in keys], [cost[k] for k in keys])
+    assert len(fixed) == 8 and rho is not None and rho > 0.9
 
 
 def test_4b_bursts_with_cuda_graphs_each_server_alone_never_cost(evals) -> None:  # type: ignore[no-untyped-def]
@@ -568,13 +573,73 @@ def test_8b_bursts_with_cuda_graphs_alone_repeat_their_price_and_their_predictio
     assert keep.after is not None and keep.after.action == "keep" and keep.after.agrees
 
 
-def _rank_correlation(a: dict[str, float], b: dict[str, float]) -> float:
-    """Spearman's rho of two series keyed alike (no ties)."""
-    keys = sorted(a)
-    ra = {k: i for i, k in enumerate(sorted(keys, key=a.__getitem__))}
-    rb = {k: i for i, k in enumerate(sorted(keys, key=b.__getitem__))}
-    n = len(keys)
-    return 1 - 6 * sum((ra[k] - rb[k]) ** 2 for k in keys) / (n * (n * n - 1))
+def test_8b_eager_bursts_alone_pay_as_far_as_the_step_that_loads_lets_them(evals) -> None:  # type: ignore[no-untyped-def]
+    """Batch 36 (holdout.json's `qwen3-8b-concurrent-...-alone`, session 41, one H200 host,
+    each server alone): the eager 8B bursts without offload and with 16 GiB, twice,
+    interleaved; batch 35 without its CUDA graphs, as batch 34 was batch 33 without them on
+    4B. Staged to tell whether the eager tier costs 8B what it cost 4B alone. It does not:
+    neither 16 GiB run costs (where both of 4B's did) and both save less than 8B with graphs.
+    But the two 16 GiB runs of the same work are much further apart than the two runs
+    without offload, so the family's band is theirs, and what separates them is the first
+    engine step of a burst that loads (`bench.burst_steps`): longer with the tier in the run
+    that saved less. Both runs without offload are told to enable 16 GiB and predict more
+    than either measured, within only by that band; every run agrees, none swings, and both
+    16 GiB runs keep, alone and after their run without offload."""
+    runs = {e.run: e for e in evals if EAGER8_ALONE.search(e.run)}
+    base, on = "qwen3-8b-concurrent-none-alone", "qwen3-8b-concurrent-cpu16g-alone"
+    names = {base, base + "2", on, on + "2"}
+    assert set(runs) == names and names <= held_out()
+    graphs = {e.run for e in evals if GRAPHS8_ALONE.search(e.run)}
+    four = {e.run for e in evals if EAGER_ALONE.search(e.run)}
+    metas = {n: _meta(MATRIX / n) for n in names | graphs | four}
+    assert len({metas[n]["gpu"]["uuid"] for n in names}) == 1
+    assert all("--enforce-eager" in metas[n]["vllm_argv"] for n in names)
+    records = {n: _requests(MATRIX / n) for n in metas}
+
+    def change(a: str, b: str) -> float:
+        return float(matrixkit.paired_truth(records[a], records[b])["relative_change"])
+
+    assert matrixkit.same_work(records[base], records[base + "2"])
+    assert matrixkit.same_work(records[on], records[on + "2"])
+    none_apart, on_apart = abs(change(base, base + "2")), abs(change(on, on + "2"))
+    assert on_apart > 2 * none_apart
+    cost = {n: change(matrixkit.base_run(metas, n), n) for n in names if metas[n]["offload"]}
+    cost4 = {n: change(matrixkit.base_run(metas, n), n) for n in four if metas[n]["offload"]}
+    cost_graphs = {
+        n: change(matrixkit.base_run(metas, n), n) for n in graphs if metas[n]["offload"]
+    }
+    assert len(cost) == 2 and all(
+        matrixkit.verdict(c, matrixkit.TRUTH_THRESHOLD) != "costs" for c in cost.values()
+    )
+    assert max(cost.values()) < min(cost4.values())
+    assert max(cost_graphs.values()) < min(cost.values())
+    steps = burst_steps.table(MATRIX, sorted(cost))
+    longer = {
+        n: r["first_step_ms"]["offload"] - r["first_step_ms"]["base"] for n, r in steps.items()
+    }
+    saved_less, saved_more = sorted(cost, key=cost.__getitem__, reverse=True)
+    assert longer[saved_less] > longer[saved_more]
+    noise = matrixkit.family_noise({n: metas[n] for n in names}, {n: records[n] for n in names})[
+        "qwen3-8b-concurrent-eager"
+    ]
+    assert noise["runs"] == sorted((on, on + "2"))
+    band = runs[on].threshold
+    assert band == noise["relative_difference"] > none_apart
+    for n, e in runs.items():
+        assert e.verified and e.agrees and not e.harmful and e.swings == 0, n
+        assert e.threshold == band, n
+        if e.offload_bytes is not None:
+            assert e.action == "keep" and e.after is not None, n
+            assert e.after.action == "keep" and e.after.agrees, n
+            continue
+        assert (e.action, e.recommended_bytes) == ("enable_offload", 16 * GIB), n
+        (p,) = e.predictions
+        assert p.size_bytes == 16 * GIB and p.predicted is not None, n
+        assert p.ok and p.predicted > p.measured > 0, n
+        # Within only by the band the two 16 GiB runs set.
+        assert p.predicted - p.measured > max(
+            advice_eval.PREDICTION_REL * p.measured, advice_eval.PREDICTION_ABS
+        ), n
 
 
 def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untyped-def]
@@ -817,15 +882,18 @@ def test_a_launch_bound_engines_bursts_are_charged_the_launch_a_load_adds(evals)
 
 
 @unmet_goal(
-    "23 of 87 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
+    "20 of 89 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
     "session 28's two, 32B chat at 24 GiB (+0.940 for +1.024) and 32B unique prompts at "
     "1 request/s (-0.009 for -0.002), session 29's three, 14B and 8B unique prompts on an "
     "H100 host (-0.022 for -0.004, -0.005 and -0.005 for -0.001), session 30's 8B unique "
     "prompts at 4 requests/s again (-0.021 for -0.012) and session 40's two, batch 35's 8B "
-    "bursts with CUDA graphs each server alone (+0.123 for +0.157, +0.129 for +0.168), are "
+    "bursts with CUDA graphs each server alone (+0.123 for +0.157, +0.129 for +0.168), and "
+    "session 41's two, batch 36's eager 8B bursts each server alone (+0.117 for +0.028, "
+    "+0.121 for +0.077, both high, in only by the 16.7 % band their two 16 GiB runs set), are "
     "within; session 30's eager 8B "
-    "bursts' 16 GiB pair again misses (+0.101 for +0.046: a request that loaded saved itself "
-    "nothing, eager, where with CUDA graphs each saved 9-46 ms); session 31's batch 28, the "
+    "bursts' 16 GiB pair again missed until that band (+0.101 for +0.046: a request that "
+    "loaded saved itself nothing, eager, where with CUDA graphs each saved 9-46 ms); "
+    "session 31's batch 28, the "
     "bursts with the engine-step log on another H100 host: the eager 8B pair at 16 GiB and "
     "the same with CUDA graphs within (+0.099 for +0.112, +0.124 for +0.159); since session "
     "32 a load on a launch-bound engine is charged the launch of its later step for every "
@@ -840,9 +908,10 @@ def test_a_launch_bound_engines_bursts_are_charged_the_launch_a_load_adds(evals)
     "the replicate (+0.075 for +0.048, +0.098 for +0.069) and 8B concurrent with CUDA graphs "
     "at 9 GiB (+0.055 for +0.033); its mean absolute error fell from 0.047 to 0.029 s/s, "
     "0.025 since session 32): "
-    "8B concurrent at 27 GiB, at 16 GiB from its control and from the second replicate "
-    "(batch 26, another machine) and at 9 and 27 GiB from the "
-    "replicate, predicted +0.073 to +0.142 s/s, measured -0.023 to +0.069 (bursts: vLLM's "
+    "8B concurrent at 16 GiB from its control and at 27 GiB from the replicate, predicted "
+    "+0.136 and +0.142 s/s, measured -0.023 and +0.039 (since session 41 its other three, "
+    "27 GiB from the first run, 9 GiB from the replicate and 16 GiB from the second "
+    "replicate, high too, are within by batch 36's band; bursts: vLLM's "
     "prefill time fell 126 us per loaded token, not the 195 us the TTFT fit prices a hit at, "
     "and requests that loaded nothing went into the loaders' later step; with CUDA graphs "
     "the same inputs predict +0.118 for +0.141 at 27 GiB, within, and +0.102 for +0.097 at "

@@ -110,10 +110,45 @@ def test_the_command_prints_the_docs_table_row(capsys: pytest.CaptureFixture[str
     row = capsys.readouterr().out.splitlines()[2]
     assert row == (
         "| qwen3-0.6b-concurrent-cpu64k-rep | qwen3-0.6b-concurrent-none-rep | 50 | 2.48 "
-        "| 80.0 / 93.5 | 7.6 / 51.3 | 43.3 | +56.2 / +21.4 | +6.0 (11) |"
+        "| 80.0 / 93.5 | 7.6 / 51.3 | 43.3 | +56.2 / +21.4 | +6.0 (11) | +27.9 % |"
     )
     assert burst_steps.main([str(MATRIX), *names, "--json"]) == 0
-    assert '"loaders_waited_more_ms": 43.3' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert '"loaders_waited_more_ms": 43.3' in out and '"summed_ttft_change": 0.2789' in out
+
+
+def test_the_rank_order_of_two_series() -> None:
+    """Spearman's rho as the docs quote it: 1 for the same order, -1 reversed, ties at their
+    mean rank, and no number where it would mean nothing."""
+    rho = burst_steps.rank_correlation
+    assert rho([1, 2, 3, 4], [10, 20, 30, 400]) == pytest.approx(1.0)
+    assert rho([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # One neighbours' swap in five: 1 - 6 * 2 / (5 * 24).
+    assert rho([1, 2, 3, 4, 5], [1, 3, 2, 4, 5]) == pytest.approx(0.9)
+    assert rho([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+    assert rho([1, 2], [2, 1]) is None and rho([1, 1, 1], [1, 2, 3]) is None
+    rows = {
+        "a": {"first_step_ms": {"base": 70.0, "offload": 90.0}, "summed_ttft_change": 0.1},
+        "b": {"first_step_ms": {"base": 70.0, "offload": 60.0}, "summed_ttft_change": -0.2},
+        "c": {"first_step_ms": {"base": 70.0, "offload": 75.0}, "summed_ttft_change": -0.05},
+        "d": {"first_step_ms": {"base": None, "offload": 75.0}, "summed_ttft_change": 0.3},
+    }
+    assert burst_steps.first_step_order(rows) == {"pairs": 3, "rho": 1.0}
+
+
+def test_batch_36s_two_16_gib_runs_part_at_the_first_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """docs/whatif.md, "What batch 36 measured": of two eager 8B runs with 16 GiB that did
+    the same work on one host, the one whose burst's first step grew more with the tier saved
+    less of its summed TTFT."""
+    names = ["qwen3-8b-concurrent-cpu16g-alone", "qwen3-8b-concurrent-cpu16g-alone2"]
+    rows = burst_steps.table(MATRIX, names)
+    grew = {n: r["first_step_ms"]["offload"] - r["first_step_ms"]["base"] for n, r in rows.items()}
+    change = {n: r["summed_ttft_change"] for n, r in rows.items()}
+    assert {r["base"] for r in rows.values()} == {"qwen3-8b-concurrent-none-alone2"}
+    assert (grew[names[0]] > grew[names[1]]) == (change[names[0]] > change[names[1]])
+    assert burst_steps.first_step_order(rows)["pairs"] == 2
 
 
 def test_a_step_planned_while_the_last_ran_is_timed_from_the_last_ones_output() -> None:
