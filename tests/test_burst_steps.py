@@ -136,21 +136,6 @@ def test_the_rank_order_of_two_series() -> None:
     assert burst_steps.first_step_order(rows) == {"pairs": 3, "rho": 1.0}
 
 
-def test_batch_36s_two_16_gib_runs_part_at_the_first_step(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """docs/whatif.md, "What batch 36 measured": of two eager 8B runs with 16 GiB that did
-    the same work on one host, the one whose burst's first step grew more with the tier saved
-    less of its summed TTFT."""
-    names = ["qwen3-8b-concurrent-cpu16g-alone", "qwen3-8b-concurrent-cpu16g-alone2"]
-    rows = burst_steps.table(MATRIX, names)
-    grew = {n: r["first_step_ms"]["offload"] - r["first_step_ms"]["base"] for n, r in rows.items()}
-    change = {n: r["summed_ttft_change"] for n, r in rows.items()}
-    assert {r["base"] for r in rows.values()} == {"qwen3-8b-concurrent-none-alone2"}
-    assert (grew[names[0]] > grew[names[1]]) == (change[names[0]] > change[names[1]])
-    assert burst_steps.first_step_order(rows)["pairs"] == 2
-
-
 def test_a_step_planned_while_the_last_ran_is_timed_from_the_last_ones_output() -> None:
     """vLLM's async scheduling plans step k+1 before step k's output is back: step k+1's
     model time starts when step k's output came, not at its own plan."""
