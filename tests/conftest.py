@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,3 +61,54 @@ def promtool() -> str:
     need(path is not None, "promtool (Debian package prometheus)")
     assert path is not None
     return path
+
+
+# `./run test` runs two workers (pytest-xdist, `--dist loadscope`, scheduled as below). The
+# modules with a test that needs vLLM run on one worker, one after another: the session's
+# `vllm_server` starts once, and no two CPU servers share the two cores. Every other module
+# runs whole on either worker, so its module fixtures (Prometheus, a replayed matrix) start
+# once. The vLLM tests mostly wait on a server and the rest mostly compute, so side by side
+# they take about the time of the longer, not of both. The grouping must be known from a test
+# id alone (the controller never collects), hence a list, which collection checks below.
+VLLM_MODULES = frozenset(
+    {
+        "tests/faults/test_soak_short.py",
+        "tests/faults/test_vllm_restart.py",
+        "tests/integration/test_compose_stack.py",
+        "tests/integration/test_dashboard_queries.py",
+        "tests/integration/test_kv_events_real.py",
+        "tests/integration/test_real_vllm.py",
+        "tests/test_demo.py",
+        "tests/test_deploy.py",
+        "tests/test_steplog.py",
+    }
+)
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "vllm_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.vllm)
+        if item.get_closest_marker("vllm") and _module(item.nodeid) not in VLLM_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} needs vLLM: add {_module(item.nodeid)} to VLLM_MODULES "
+                "in tests/conftest.py"
+            )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class VllmApart(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return "vllm" if module in VLLM_MODULES else module
+
+    return VllmApart(config, log)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 KIT = REPO / "bench" / "gpu"
 sys.path.insert(0, str(KIT))
@@ -205,6 +207,7 @@ def test_the_sitecustomize_patches_the_scheduler_when_vllm_imports_it(tmp_path: 
     assert res.returncode == 0 and res.stdout.split() == ["ok", "1"] and not out.exists()
 
 
+@pytest.mark.vllm
 def test_on_the_real_cpu_server_every_computed_token_is_in_a_step(tmp_path: Path) -> None:
     """vLLM 0.32's CPU server with the log as the matrix turns it on: each request's steps
     add up to the tokens it computed (its prompt less the prefix cache's hit, and one token a

@@ -69,11 +69,13 @@ def gpu_data(
 
 
 @pytest.fixture(
-    params=[Scenario.LIVE, Scenario.OFFLOAD, Scenario.GPU], ids=["live", "offload", "gpu"]
+    params=[
+        pytest.param(Scenario.LIVE, id="live", marks=pytest.mark.vllm),
+        pytest.param(Scenario.OFFLOAD, id="offload"),
+        pytest.param(Scenario.GPU, id="gpu"),
+    ]
 )
 def data(request: pytest.FixtureRequest) -> Data:
-    if request.param == Scenario.LIVE:
-        request.applymarker(pytest.mark.vllm)
     return request.getfixturevalue(f"{request.param.value}_data")
 
 
