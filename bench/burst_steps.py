@@ -21,9 +21,13 @@ From the engine-step log where a recording has one (`steps.jsonl.xz`, `"step_log
 scenarios since batch 28; bench/gpu/steplog.py): each step's model time (from its plan, or
 from the previous step's output where vLLM's async scheduling planned it earlier, to its own
 output), fitted on the tokens it computed (the intercept is what any step
-costs, the small one a loader's suffix takes included), and per loader the steps from its load
-job's submission to the worker reporting it done and to the step that computed its suffix.
-Steps that computed nothing are the log's `idle` count.
+costs, the small one a loader's suffix takes included), per loader the steps from its load
+job's submission to the worker reporting it done and to the step that computed its suffix,
+and each run's step submission over the run (`submission`: the engine's CPU handing a step
+over, which under `--enforce-eager` drifts within and between runs of the same work;
+docs/whatif.md, "What a step's submission says"). Steps that computed nothing are the log's
+`idle` count. Under that table, per shape and engine, how well the tier run's submission
+against its base's orders the pairs' summed TTFT change (`submission_order`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +189,7 @@ def engine_steps(lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return {
         "steps": len(steps),
         "idle_steps": sum(int(s.get("idle", 0)) for s in steps),
+        "submission": submission(steps),
         "step_time": fit,
         "small_step_ms": _median(small),
         "loads": len(job_of),
@@ -195,6 +201,44 @@ def engine_steps(lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         if spans
         else None,
     }
+
+
+# Sixths of a run: enough to show a drift over its ~3 minutes, each still ~1,000 steps.
+PARTS = 6
+
+
+def submission(lines: Iterable[Mapping[str, Any]], parts: int = PARTS) -> dict[str, Any]:
+    """How long the engine takes to submit a step: from its plan (t1) to the next step's plan
+    (t0), over the steps that computed tokens and whose next step was planned before their
+    output came back (vLLM's async scheduling: the engine plans step k+1 as soon as it has
+    handed step k over, so this is the CPU's work on step k, its kernel launches under
+    `--enforce-eager`, not the GPU's). The median (ms) over the run and over each of `parts`
+    equal spans of it, in order: whether the host drifts over a run. Beside it the medians of
+    the scheduler's own work on the steps that computed tokens: planning (`schedule()`) and
+    taking the output back (`update_from_output()`), where the connector's scheduler side
+    runs."""
+    steps = [s for s in lines if "i" in s and s.get("t1") is not None]
+    computing = [s for s in steps if s["n"] > 0]
+    marks: list[tuple[float, float]] = []
+    for s, nxt in pairwise(steps):
+        if s["n"] > 0 and not nxt.get("idle") and nxt["t0"] < s["t2"]:
+            marks.append((float(s["t1"]), float(nxt["t0"] - s["t1"])))
+    out: dict[str, Any] = {
+        "schedule_ms": _median([s["t1"] - s["t0"] for s in computing]),
+        "update_ms": _median([s["t3"] - s["t2"] for s in computing]),
+        "steps": len(marks),
+        "median_ms": None,
+        "by_part_ms": [],
+    }
+    if not marks:
+        return out
+    t_first, span = marks[0][0], (marks[-1][0] - marks[0][0]) or 1.0
+    by_part: list[list[float]] = [[] for _ in range(parts)]
+    for t, ms in marks:
+        by_part[min(parts - 1, int(parts * (t - t_first) / span))].append(ms)
+    out["median_ms"] = _median([ms for _, ms in marks])
+    out["by_part_ms"] = [_median(p) for p in by_part]
+    return out
 
 
 def burst_pairs(root: Path, names: Sequence[str] = ()) -> dict[str, str]:
@@ -216,8 +260,14 @@ def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str,
     """Per offload run of the bursts under `root` (or `names`): its base, `event_steps`, and
     `engine_steps` of both where both have a step log."""
     out: dict[str, dict[str, Any]] = {}
+    metas = recording_metas(root, names)
     for name, base in burst_pairs(root, names).items():
-        row: dict[str, Any] = {"base": base, **event_steps(root / base, root / name)}
+        row: dict[str, Any] = {
+            "base": base,
+            "shape": (metas[name].get("shape") or {}).get("name"),
+            "eager": "--enforce-eager" in (metas[name].get("vllm_argv") or ()),
+            **event_steps(root / base, root / name),
+        }
         logs = [root / n / "steps.jsonl.xz" for n in (base, name)]
         if all(p.exists() for p in logs):
             row["engine"] = {
@@ -271,6 +321,28 @@ def first_step_order(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     return {"pairs": len(xs), "rho": None if rho is None else round(rho, 3)}
 
 
+def submission_order(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per shape and engine (eager or CUDA graphs) with step-logged pairs: how well the tier
+    run's submission against its base's (the ratio of their `submission` medians less one)
+    orders the pairs' summed TTFT change (docs/whatif.md, "What a step's submission says")."""
+    groups: dict[str, tuple[list[float], list[float]]] = {}
+    for r in rows.values():
+        change = r.get("summed_ttft_change")
+        if "engine" not in r or change is None:
+            continue
+        base, tier = (r["engine"][k]["submission"]["median_ms"] for k in ("base", "offload"))
+        if base and tier is not None:
+            key = f"{r.get('shape')} {'eager' if r.get('eager') else 'graphs'}"
+            xs, ys = groups.setdefault(key, ([], []))
+            xs.append(tier / base - 1)
+            ys.append(change)
+    out = {}
+    for key, (xs, ys) in sorted(groups.items()):
+        rho = rank_correlation(xs, ys)
+        out[key] = {"pairs": len(xs), "rho": None if rho is None else round(rho, 3)}
+    return out
+
+
 def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
     def v(x: object) -> str:
         return "-" if x is None else f"{x}"
@@ -307,11 +379,50 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
     ]
     order = first_step_order(rows)
     rho = "-" if order["rho"] is None else f"{order['rho']:.2f}"
-    return (
+    text = (
         markdown_table(header, body)
         + f"\n\nThe first step's change against the summed TTFT change: Spearman's rho {rho}"
         + f" over {order['pairs']} pairs."
     )
+    runs: dict[str, Mapping[str, Any]] = {}
+    for name, r in rows.items():
+        if "engine" in r:
+            runs.setdefault(r["base"], r["engine"]["base"]["submission"])
+            runs[name] = r["engine"]["offload"]["submission"]
+    if runs:
+        sub = markdown_table(
+            [
+                "run",
+                "schedule() ms",
+                "update_from_output() ms",
+                "steps submitted under the last",
+                "submission ms",
+                f"by {PARTS} spans of the run, ms",
+            ],
+            [
+                [
+                    n,
+                    v(x["schedule_ms"]),
+                    v(x["update_ms"]),
+                    str(x["steps"]),
+                    v(x["median_ms"]),
+                    " ".join(map(v, x["by_part_ms"])),
+                ]
+                for n, x in runs.items()
+            ],
+        )
+        text += f"\n\nA step's submission, where the step log has it (`submission`):\n\n{sub}"
+        ranked = [
+            f"{key} {g['rho']:.2f} over {g['pairs']} pairs"
+            for key, g in submission_order(rows).items()
+            if g["rho"] is not None
+        ]
+        if ranked:
+            text += (
+                "\n\nThe tier run's submission against its base's, against the summed TTFT"
+                " change: Spearman's rho " + "; ".join(ranked) + "."
+            )
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,3 +183,55 @@ def test_batch_28s_loaders_computed_two_steps_after_their_load() -> None:
         waited["qwen3-8b-concurrent-graphs-cpu16g-steps"]
         < (waited["qwen3-8b-concurrent-cpu16g-steps"])
     )
+
+
+def test_a_steps_submission_is_from_its_plan_to_the_next_plan_made_before_its_output() -> None:
+    """`submission`: step 0's successor was planned 30 ms after step 0's plan and before its
+    output came back (async scheduling), so step 0 counts 30 ms; step 1's successor waited for
+    its output (not overlapped), step 2's had empty steps folded in (`idle`), and step 4
+    computed nothing: none of those count. Over two spans, the first holds the 30 ms step and
+    the second the 10 ms one."""
+
+    def step(i: int, t0: float, t2: float, n: int, **more: Any) -> dict[str, Any]:
+        return {"i": i, "t0": t0, "t1": t0 + 0.002, "t2": t2, "t3": t2 + 0.001, "n": n, **more}
+
+    lines = [
+        {"pid": 1, "start": 99.0, "vllm": "0.26.0"},
+        step(0, 100.000, 100.050, 500),
+        step(1, 100.032, 100.090, 20),  # planned 30 ms after step 0's plan, before its output
+        step(2, 100.100, 100.150, 20),  # after step 1's output: step 1 does not count
+        step(3, 100.120, 100.170, 8, idle=2, idle_t0=100.11),
+        step(4, 100.200, 100.210, 0),
+        step(5, 101.000, 101.050, 300),
+        step(6, 101.012, 101.080, 10),
+    ]
+    out = burst_steps.submission(lines, parts=2)
+    assert (out["steps"], out["median_ms"]) == (2, 20.0)
+    assert out["by_part_ms"] == [30.0, 10.0]
+    assert out["schedule_ms"] == 2.0 and out["update_ms"] == 1.0
+    assert burst_steps.submission([])["median_ms"] is None
+
+
+def test_on_the_eager_4b_bursts_the_hosts_speed_orders_what_the_tier_cost() -> None:
+    """docs/whatif.md, "What a step's submission says": over every step-logged eager 4B pair
+    the tier run's submission against its base's orders the summed TTFT change, and the
+    harmful enable's pair (16 GiB from `-none-rep2`) had the tier run submit its steps
+    slower than its base by more than any pair that paid; with CUDA graphs the tier's runs
+    submit faster than their bases (a loader's suffix step replays a graph)."""
+    rows = burst_steps.table(MATRIX)
+    eager4 = {n: r for n, r in rows.items() if r["shape"] == "qwen3-4b" and r["eager"]}
+    logged = {n: r for n, r in eager4.items() if "engine" in r}
+    (key, order), *others = burst_steps.submission_order(logged).items()
+    assert key == "qwen3-4b eager" and not others and order["pairs"] == len(logged) >= 8
+    assert order["rho"] > 0.8
+
+    def ratio(r: dict[str, Any]) -> float:
+        base, tier = (r["engine"][k]["submission"]["median_ms"] for k in ("base", "offload"))
+        return float(tier / base - 1)
+
+    harmful = logged["qwen3-4b-concurrent-cpu16g-rep2"]
+    assert harmful["base"] == "qwen3-4b-concurrent-none-rep2"
+    paid = [ratio(r) for r in logged.values() if r["summed_ttft_change"] <= -0.03]
+    assert paid and ratio(harmful) > max(paid) + 0.2
+    graphs = [r for r in rows.values() if "engine" in r and not r["eager"]]
+    assert graphs and all(ratio(r) < 0 for r in graphs)
