@@ -723,19 +723,24 @@ def test_matrix_scenarios_are_data() -> None:
     # host.
     # Batch 34 (staged in session 36): the eager 4B bursts without offload and at 16 GiB,
     # twice, each server alone (`-alone`, `-alone2`): batch 33 without its CUDA graphs; batch
-    # 36 (staged in session 40) the same on 8B: batch 35 without its CUDA graphs.
+    # 36 (staged in session 40) the same on 8B: batch 35 without its CUDA graphs. Batch 37
+    # (staged in session 42, `-probe`, `-probe2`): batch 34's four again, the host timed too.
     logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps + four + alone8}
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
-    again = {
-        f"qwen3-4b-concurrent-{t}-{r}"
-        for t in ("none", "cpu64k", "cpu16g")
-        for r in ("rep", "rep2")
-    } | {
-        f"qwen3-{m}-concurrent-{t}-{r}"
-        for m in ("4b", "8b")
-        for t in ("none", "cpu16g")
-        for r in ("alone", "alone2")
-    }
+    again = (
+        {
+            f"qwen3-4b-concurrent-{t}-{r}"
+            for t in ("none", "cpu64k", "cpu16g")
+            for r in ("rep", "rep2")
+        }
+        | {
+            f"qwen3-{m}-concurrent-{t}-{r}"
+            for m in ("4b", "8b")
+            for t in ("none", "cpu16g")
+            for r in ("alone", "alone2")
+        }
+        | {f"qwen3-4b-concurrent-{t}-{r}" for t in ("none", "cpu16g") for r in ("probe", "probe2")}
+    )
     assert logged == loops | again | {
         f"qwen3-{m}-concurrent-{t}" for m in ("1.7b", "4b", "14b") for t in ("none", "cpu64k")
     }
@@ -747,7 +752,7 @@ def test_matrix_scenarios_are_data() -> None:
         assert sc.offload is None or sc.offload.size_gib == 16.0
     # A `-steps` or `-rep` run is the same work as the run it repeats.
     for n in [*steps, *again]:
-        sc, first = SCENARIOS[n], SCENARIOS[re.sub(r"-(steps|rep2?|alone2?)$", "", n)]
+        sc, first = SCENARIOS[n], SCENARIOS[re.sub(r"-(steps|rep2?|alone2?|probe2?)$", "", n)]
         assert (sc.workload, sc.vllm_args, sc.offload, sc.pair) == (
             first.workload,
             first.vllm_args,
@@ -954,7 +959,7 @@ def test_matrix_plan_session() -> None:
     start = max(sc.shape.est_start_s for sc in scs)
     assert start == SCENARIOS["qwen3-8b-chat-none"].shape.est_start_s
     assert plan.est_total_s == start + 6 * (180 + mk.TURN_OVERHEAD_S)
-    short = mk.plan_session(scs, 700)
+    short = mk.plan_session(scs, start + 3 * (180 + mk.TURN_OVERHEAD_S) + 10)  # three turns
     assert short.groups == (tuple(names[:3]),) and short.skipped == tuple(names[3:])
     big = mk.resolve(
         ["qwen3-32b-chat-none", "qwen3-32b-chat-cpu64k", "qwen3-8b-chat-none"], SCENARIOS
@@ -1361,6 +1366,29 @@ def test_gpu_samples_while_a_turn_runs(tmp_path: Path) -> None:
     assert matrix.sample_gpu(down, _FakeNvml(init_error=OSError("no driver"))) == 0
     (line,) = down.read_text().splitlines()
     assert json.loads(line)["error"] == "OSError: no driver"
+
+
+def test_the_host_probe_times_python_and_says_why_it_timed_no_launch(tmp_path: Path) -> None:
+    """The turn's host probe (session 42): ns a Python loop iteration, fastest first; where
+    torch or a CUDA device is missing (here: the project's virtualenv has no torch) the
+    launches are not timed and `error` says why; a probe that cannot run is an error, never
+    an exception; near the deadline the driver skips it."""
+    cpu = matrix.host_probe(cuda=False, repeats=3)
+    assert 0 < cpu["python_ns"] <= cpu["python_ns_median"] and "error" not in cpu
+    assert "launch_us" not in cpu
+    gpu = matrix.host_probe(cuda=True, repeats=1)
+    assert gpu["python_ns"] > 0 and "launch_us" not in gpu
+    assert gpu["error"].startswith(("ModuleNotFoundError", "RuntimeError: torch sees no CUDA"))
+    child = matrix.run_host_probe(sys.executable, KIT, dict(os.environ), cuda=False)
+    assert child["python_ns"] > 0 and "error" not in child
+    broken = matrix.run_host_probe(sys.executable, tmp_path, dict(os.environ), cuda=False)
+    assert broken["error"].startswith("exit 2:")  # no matrix.py there
+    missing = matrix.run_host_probe(str(tmp_path / "nopython"), KIT, {}, cuda=False)
+    assert missing["error"].startswith("FileNotFoundError")
+    opts = matrix.Opts(
+        work=tmp_path, deadline=time.time() + 30, vllm_python=sys.executable, kit=KIT
+    )
+    assert matrix.Driver(opts).probe() == {"error": "skipped: deadline near"}
 
 
 MATRIX = FIXTURES / "gpu" / "matrix"

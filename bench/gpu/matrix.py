@@ -14,6 +14,8 @@ max_inflight requests in flight, recorded as a replayable directory per run:
     server_log.txt      vLLM's log: head, warnings/errors, tail
     gpu.jsonl.xz        NVML samples of the GPU every 0.25 s while the run's turn lasts
                         (gpu_sample; since batch 21; analysis only, replay ignores it)
+    (meta.json's host_probe: the host's Python and kernel-launch speed before and after the
+    traffic, `host-probe`; since session 42; analysis only)
 
 No exporter runs (recordings are replayed offline). Servers of a group start together; their
 turns run one at a time, so no traffic shares the GPU with another run's.
@@ -348,6 +350,80 @@ def cmd_gpu_sample(a: argparse.Namespace) -> int:
     return 0
 
 
+# The host's own speed, apart from vLLM (since session 42). An eager engine hands every step
+# over kernel by kernel from one Python thread, and that submission drifted by a quarter
+# between runs of the same work on one host (docs/whatif.md, "What a step's submission
+# says"); a pair's truth cannot tell that drift from the tier's cost unless the host is
+# timed on its own. So each turn times, in a process of vLLM's Python while its server idles
+# loaded, a fixed Python loop and a fixed run of kernel launches, before its traffic and
+# after.
+PROBE_PY_ITERATIONS = 200_000
+PROBE_LAUNCHES = 2_000
+PROBE_REPEATS = 5
+PROBE_TIMEOUT_S = 60.0
+
+
+def host_probe(*, cuda: bool, repeats: int = PROBE_REPEATS) -> dict[str, Any]:
+    """ns a Python loop iteration and us a kernel launch (each the fastest and the median of
+    `repeats`, after one unmeasured); where CUDA cannot be had, `error` says why and the
+    Python loop is still timed."""
+
+    def loop() -> float:
+        t, x = time.perf_counter(), 0
+        for i in range(PROBE_PY_ITERATIONS):
+            x += i * i
+        return (time.perf_counter() - t) / PROBE_PY_ITERATIONS
+
+    def fastest_and_median(fn: Callable[[], float], scale: float) -> tuple[float, float]:
+        fn()
+        xs = sorted(fn() for _ in range(repeats))
+        return round(scale * xs[0], 3), round(scale * xs[len(xs) // 2], 3)
+
+    out: dict[str, Any] = {"t": time.time()}
+    out["python_ns"], out["python_ns_median"] = fastest_and_median(loop, 1e9)
+    if not cuda:
+        return out
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch sees no CUDA device")
+        x = torch.zeros(1, device="cuda")
+
+        def launches() -> float:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(PROBE_LAUNCHES):
+                x.add_(1)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t) / PROBE_LAUNCHES
+
+        out["launch_us"], out["launch_us_median"] = fastest_and_median(launches, 1e6)
+    except Exception as exc:  # a probe never fails a run: it says what it could not time
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def cmd_host_probe(a: argparse.Namespace) -> int:
+    print(json.dumps(host_probe(cuda=not a.no_cuda)))
+    return 0
+
+
+def run_host_probe(python: str, kit: Path, env: Mapping[str, str], *, cuda: bool) -> dict[str, Any]:
+    """`host-probe` in a child of `python` (vLLM's, for its torch): its JSON, or `error`."""
+    cmd = [python, str(kit / "matrix.py"), "host-probe", *([] if cuda else ["--no-cuda"])]
+    try:
+        res = subprocess.run(
+            cmd, env=dict(env), capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False
+        )
+        lines = res.stdout.strip().splitlines()
+        if res.returncode != 0 or not lines:
+            return {"error": f"exit {res.returncode}: {res.stderr.strip()[-300:]}"}
+        return dict(json.loads(lines[-1]))
+    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 # --------------------------------------------------------------------------------------------
 # One run
 # --------------------------------------------------------------------------------------------
@@ -488,6 +564,18 @@ class Driver:
             time.sleep(0.5)
 
     # -- a turn --------------------------------------------------------------------------------
+    def probe(self) -> dict[str, Any]:
+        """The host's speed now (`host_probe`), while the turn's server idles; skipped where
+        the deadline is near, so it never costs a run."""
+        if self.left() < 45 + PROBE_TIMEOUT_S:
+            return {"error": "skipped: deadline near"}
+        return run_host_probe(
+            self.o.vllm_python,
+            self.o.kit,
+            vllm_env(os.environ, gpu=not self.o.cpu_smoke),
+            cuda=not self.o.cpu_smoke,
+        )
+
     def turn(self, run: Run) -> None:
         sc = run.sc
         name = sc.name
@@ -541,6 +629,7 @@ class Driver:
             warm.append({"k": k, "status": status, "s": round(time.time() - t, 4), "error": err})
         conn.close()
         time.sleep(self.o.settle_s)
+        probes = {"before": self.probe()}
         t0 = time.time() + 0.5
         hard = min(t0 + sc.traffic_s * sc.stretch, self.o.deadline - 45)
         log(f"{name}: traffic {len(run.reqs)} requests over {sc.traffic_s:.0f}s (warmup {warm})")
@@ -558,6 +647,7 @@ class Driver:
         time.sleep(self.o.settle_s)
         self.children.stop(scraper, timeout=5)
         self.children.stop(sampler, timeout=5)
+        probes["after"] = self.probe()
         totals = mk.run_totals(records)
         log(f"{name}: done {totals} unsent {len(unsent)}")
         # Server first, then the recorder: every event the server published is kept.
@@ -568,6 +658,7 @@ class Driver:
             for rec in records:
                 fh.write(json.dumps(rec) + "\n")
         meta = self.meta(run, t_warm, t0, t_last, records, unsent, warm, totals)
+        meta["host_probe"] = probes
         write_json(run.dir / "meta.json", meta)
         st.update({"state": "written", "totals": totals, "unsent": len(unsent)})
         self.save()
@@ -1327,6 +1418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=GPU_SAMPLE_INTERVAL_S)
     p.add_argument("--max-seconds", type=float, default=600.0)
     p.set_defaults(fn=cmd_gpu_sample)
+
+    p = sub.add_parser("host-probe", help="(child) the host's Python and kernel-launch speed")
+    p.add_argument("--no-cuda", action="store_true", help="the Python loop alone")
+    p.set_defaults(fn=cmd_host_probe)
 
     p = sub.add_parser("plan")
     with_runs(p)

@@ -603,7 +603,8 @@ class Plan:
     est_total_s: float
 
 
-TURN_OVERHEAD_S = 15.0  # warmup, drain, settle, stop, write
+# Warmup, drain, settle, stop, write (15 s), and the two host probes (matrix.py, ~7 s each).
+TURN_OVERHEAD_S = 30.0
 
 # What the servers of one group may take of the GPU together: 125 GB of the H200's 150.75 (the
 # rest is CUDA contexts, graphs and activations beyond shapes.json's estimates, which held on
