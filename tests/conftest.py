@@ -89,6 +89,12 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def xdist_scope(nodeid: str) -> str:
+    """The worker's unit a test belongs to: "vllm", or its module."""
+    module = _module(nodeid)
+    return "vllm" if module in VLLM_MODULES else module
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "vllm_server" in getattr(item, "fixturenames", ()):
@@ -108,7 +114,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class VllmApart(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            module = _module(nodeid)
-            return "vllm" if module in VLLM_MODULES else module
+            return xdist_scope(nodeid)
 
     return VllmApart(config, log)
