@@ -44,14 +44,12 @@ summed TTFT by at least 3 %, costs when it adds 3 % or more, neutral in between)
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import multiprocessing
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -318,10 +316,10 @@ def _workers() -> int:
 
 
 # An evaluation is a pure function of the code it runs and the recordings: `./run test`
-# evaluates the matrix for the generated docs (tests/test_generated.py) and in
-# tests/test_advice_eval.py, minutes on two cores, and the second reads what the first wrote.
-# Keyed by the bytes of every file under exporter/ and bench/ and of every recording, so any
-# change evaluates afresh; KVOE_EVAL_CACHE=off never reads or writes it.
+# evaluates the matrix in `gen --check` and again in tests/test_advice_eval.py, about 2.5 min
+# each on two cores, and the second reads what the first wrote. Keyed by the bytes of every
+# file under exporter/ and bench/ and of every recording, so any change evaluates afresh;
+# KVOE_EVAL_CACHE=off never reads or writes it.
 CACHE = REPO / ".cache" / "advice-eval"
 # Entries kept (about 70 KB each): the newest, enough for a few code states at each of the
 # four intervals docs/advisor.md tabulates.
@@ -334,7 +332,6 @@ def _prune(keep: int = CACHE_KEEP) -> None:
     entries = sorted(CACHE.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in entries[keep:]:
         old.unlink(missing_ok=True)
-        old.with_suffix(".lock").unlink(missing_ok=True)
 
 
 def cache_key(root: Path, interval: float, full: bool = True) -> str:
@@ -377,48 +374,20 @@ def evaluate(
     if os.environ.get("KVOE_EVAL_CACHE", "on") == "off":
         return _evaluate(root, interval, full)
     path = CACHE / f"{cache_key(root, interval, full)}.json"
-    cached = _read_cache(path)
-    if cached is not None:
-        return cached
-    # `./run test`'s two workers may ask for the same evaluation at once (tests/test_generated.py
-    # and tests/test_advice_eval.py): the second waits for the first's, minutes of both cores
-    # each, rather than evaluating beside it.
-    with _exclusive(path.with_suffix(".lock")):
-        cached = _read_cache(path)
-        if cached is not None:
-            return cached
-        evals = _evaluate(root, interval, full)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            CACHE.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps([asdict(e) for e in evals]))
-            tmp.replace(path)  # atomic: a concurrent reader sees all of it or nothing
-            _prune()
-        except OSError as e:  # a read-only checkout: evaluated, just not kept
-            print(f"advice_eval: not cached ({e})", file=sys.stderr)
-    return evals
-
-
-def _read_cache(path: Path) -> list[RunEval] | None:
     try:
         return [_from_json(d) for d in json.loads(path.read_text())]
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # none yet, or unreadable: evaluate
-
-
-@contextlib.contextmanager
-def _exclusive(lock: Path) -> Iterator[None]:
-    """Held by one process at a time (flock); where the lock cannot be made (a read-only
-    checkout), not held: each process evaluates for itself, as without the cache."""
+        pass  # none yet, or unreadable: evaluate
+    evals = _evaluate(root, interval, full)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         CACHE.mkdir(parents=True, exist_ok=True)
-        fh = lock.open("a")
-    except OSError:
-        yield
-        return
-    with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
+        tmp.write_text(json.dumps([asdict(e) for e in evals]))
+        tmp.replace(path)  # atomic: a concurrent reader sees all of it or nothing
+        _prune()
+    except OSError as e:  # a read-only checkout: evaluated, just not kept
+        print(f"advice_eval: not cached ({e})", file=sys.stderr)
+    return evals
 
 
 class Truths:

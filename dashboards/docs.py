@@ -69,8 +69,9 @@ WHY = """\
   interval, 4 × scrape interval), `$__range`, variables regex-escaped, *All* = `.*`) against
   real Prometheus servers, once with every variable on *All* and once narrowed to one value
   each; a panel may not be empty in the scenarios it declares, and every panel must be
-  empty when the variables match nothing (so no query ignores them). `./run gen --check`
-  fails when the committed JSON differs from what the generator writes.
+  empty when the variables match nothing (so no query ignores them). `./run check-gen`
+  (part of `./run test`) fails when the committed JSON differs from what the generator
+  writes.
 
 | scenario | data |
 |---|---|

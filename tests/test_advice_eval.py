@@ -9,8 +9,6 @@ import lzma
 import os
 import re
 import shutil
-import threading
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -983,7 +981,7 @@ def test_a_control_run_without_offload_pairs_with_the_offload_runs_of_its_sessio
 def test_a_cached_evaluation_is_the_evaluation(
     evals, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """The cache (`./run test` evaluates the matrix for the generated docs and here) gives back
+    """The cache (`./run test` evaluates the matrix in gen --check and here) gives back
     exactly what was evaluated, and any byte of a recording, or another interval, is
     another key: evaluated afresh, never a stale result."""
     assert [_from_json(json.loads(json.dumps(asdict(e)))) for e in evals] == evals
@@ -1025,43 +1023,9 @@ def test_the_cache_keeps_its_newest_entries(
         entry = cache / f"{i}.json"
         entry.write_text("[]")
         os.utime(entry, (1000.0 + i, 1000.0 + i))
-        (cache / f"{i}.lock").write_text("")
     (cache / "notes.txt").write_text("not an entry")
     advice_eval._prune(keep=2)
-    assert sorted(p.name for p in cache.iterdir()) == [
-        "3.json",
-        "3.lock",
-        "4.json",
-        "4.lock",
-        "notes.txt",
-    ]
-
-
-def test_two_asking_for_one_evaluation_at_once_evaluate_it_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`./run test`'s two workers may want the same evaluation together: the second waits
-    for the first's and reads it (the lock is the open file's, so two threads exclude each
-    other as two processes do)."""
-    monkeypatch.setattr(advice_eval, "CACHE", tmp_path / "cache")
-    calls: list[float] = []
-
-    def slow(root: Path, interval: float, full: bool = True) -> list[Any]:
-        calls.append(interval)
-        time.sleep(0.5)
-        return []
-
-    monkeypatch.setattr(advice_eval, "_evaluate", slow)
-    results: list[Any] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(evaluate(tmp_path, 1.0))) for _ in range(2)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert results == [[], []] and calls == [1.0]
-    assert evaluate(tmp_path, 2.0) == [] and calls == [1.0, 2.0]  # another key: its own
+    assert sorted(p.name for p in cache.iterdir()) == ["3.json", "4.json", "notes.txt"]
 
 
 def test_a_replicate_without_offload_pairs_with_the_offload_runs_of_its_machine(
