@@ -310,6 +310,7 @@ class Config:
     kv_events_endpoint: Sequence[str] = ()
     kv_events_bind: Sequence[str] = ()
     kv_events_replay_endpoint: Sequence[str] = ()
+    kv_events_replay_timeout: float = 2.0
     kv_events_queue: int = 10000
     record_events: str = ""
     record: str = ""
@@ -683,6 +684,13 @@ def _kv_events_problems(cfg: Config) -> list[str]:
         problems.append("give --kv-events-endpoint (vLLM binds) or --kv-events-bind, not both")
     if cfg.kv_events_queue < 1:
         problems.append("--kv-events-queue must be at least 1")
+    if not 0 < cfg.kv_events_replay_timeout <= 60:
+        problems.append("--kv-events-replay-timeout must be in (0, 60] seconds")
+    return problems + _whatif_problems(cfg)
+
+
+def _whatif_problems(cfg: Config) -> list[str]:
+    problems: list[str] = []
     if not cfg.whatif_sizes or any(b <= 0 for b in cfg.whatif_sizes):
         problems.append("--whatif-sizes must list positive sizes")
     if cfg.whatif_store_threshold < 0:

@@ -107,6 +107,7 @@ def kv_events_settings(cfg: Config, target: TargetConfig) -> KvEventsSettings:
             or (cfg.kv_events_replay_endpoint if single else ())
         ),
         queue_size=cfg.kv_events_queue,
+        replay_timeout=cfg.kv_events_replay_timeout,
         record_path=_record_path(cfg.record_events, target.label, single)
         or str(kv_events_path(directory) if (directory := record_dir(cfg, target.label)) else ""),
     )

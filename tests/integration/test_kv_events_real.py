@@ -239,12 +239,17 @@ async def test_a_gap_is_recovered_from_the_real_replay_endpoint(
                 proxy.downstream,
                 "--kv-events-replay-endpoint",
                 vllm_server.replay_endpoint,
+                # vLLM answers between two publishes; on two cores shared with the other test
+                # worker that took over the default 2 s once (CI, stop 56).
+                "--kv-events-replay-timeout",
+                "30",
             ]
         )
         cfg = exporter.cfg
         await exporter.start()
         try:
             await exporter.run_cycle()
+            assert kv.receiver is not None and kv.receiver.replay_timeout == 30
             assert [(s.address, s.bind, s.replay) for s in kv.streams] == [
                 (proxy.downstream, False, vllm_server.replay_endpoint)
             ]

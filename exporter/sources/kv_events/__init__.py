@@ -36,6 +36,15 @@ REGISTRATION = Registration(
             "ENDPOINT",
         ),
         Option(
+            "kv-events-replay-timeout",
+            "float",
+            2.0,
+            "seconds to wait for vLLM's replay endpoint to answer a sequence gap; the receiver "
+            "waits meanwhile (new batches queue in its socket), and what has not come back by "
+            "then is counted lost (kvoffload_kv_events_lost_total)",
+            "SECONDS",
+        ),
+        Option(
             "kv-events-queue",
             "int",
             10000,

@@ -58,6 +58,8 @@ class ReceiverCounters:
 # Queue items: (rank, seq, topic, payload) or (rank, -1, b"", b"") for a restart.
 QueueItem = tuple[int, int, bytes, bytes]
 RESTART = -1
+# vLLM answers a replay between publishes (every 0.1 s when idle); a loaded host takes longer.
+REPLAY_TIMEOUT_SECONDS = 2.0
 
 
 class Receiver(threading.Thread):
@@ -70,7 +72,7 @@ class Receiver(threading.Thread):
         stop: threading.Event,
         *,
         topic: str = "",
-        replay_timeout: float = 1.0,
+        replay_timeout: float = REPLAY_TIMEOUT_SECONDS,
         rcvhwm: int = 100_000,
         name: str = "kvoe-kv-receiver",
     ) -> None:
@@ -191,6 +193,16 @@ class Receiver(threading.Thread):
                 if left <= 0 or not sock.poll(max(1, int(left * 1000))):
                     # A late answer would confuse the next request: start a fresh socket.
                     self._dealers.pop(spec.rank).close(linger=0)
+                    log_event(
+                        log,
+                        logging.WARNING,
+                        "kv_events_replay_timed_out",
+                        rank=spec.rank,
+                        first_seq=start,
+                        missing=stop - start,
+                        received=sum(1 for s in got if s < stop),
+                        timeout_seconds=self.replay_timeout,
+                    )
                     break
                 frames = sock.recv_multipart()
                 if frames and frames[0] == b"":

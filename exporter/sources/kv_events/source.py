@@ -30,6 +30,7 @@ from exporter.options import TargetConfig
 from exporter.sources import Clock, CollectError, ErrorKind, Health
 from exporter.sources.kv_events.discovery import StreamSpec, discover, streams_from
 from exporter.sources.kv_events.receiver import (
+    REPLAY_TIMEOUT_SECONDS,
     RESTART,
     QueueItem,
     Receiver,
@@ -55,7 +56,7 @@ class KvEventsSettings:
     queue_size: int = 10_000
     record_path: str = ""
     topic: str = ""
-    replay_timeout: float = 1.0
+    replay_timeout: float = REPLAY_TIMEOUT_SECONDS
     discovery_timeout: float = 5.0
 
 

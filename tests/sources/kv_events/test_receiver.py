@@ -34,6 +34,7 @@ class FakeReplay(threading.Thread):
         self.buffer = buffer
         self.stop = threading.Event()
         self.requests: list[int] = []
+        self.delay = 0.0  # seconds before answering: a vLLM busy with its engine
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -42,6 +43,7 @@ class FakeReplay(threading.Thread):
             ident, _, start = self.sock.recv_multipart()
             first = int.from_bytes(start, "big")
             self.requests.append(first)
+            time.sleep(self.delay)
             for seq in sorted(self.buffer):
                 if seq >= first:
                     self.sock.send_multipart([ident, b"", *self.buffer[seq]])
@@ -66,11 +68,11 @@ def drain(q: queue.Queue[Any]) -> list[Any]:
 
 
 def start_receiver(
-    ctx: zmq.Context[Any], spec: StreamSpec, q: queue.Queue[Any]
+    ctx: zmq.Context[Any], spec: StreamSpec, q: queue.Queue[Any], replay_timeout: float = 2.0
 ) -> tuple[Receiver, ReceiverCounters, threading.Event]:
     counters = ReceiverCounters()
     stop = threading.Event()
-    r = Receiver(ctx, [spec], q, counters, stop, replay_timeout=2.0)
+    r = Receiver(ctx, [spec], q, counters, stop, replay_timeout=replay_timeout)
     r.start()
     assert r.ready.wait(5) and counters.error is None
     return r, counters, stop
@@ -119,6 +121,51 @@ def test_receiver_replays_a_gap_in_order(ctx: zmq.Context[Any]) -> None:
         c = counters.streams[0]
         assert (c.gaps, c.replayed, c.lost) == (1, 2, 0)
         assert replay.requests == [base + 2]
+    finally:
+        stop.set()
+        r.join(5)
+        replay.stop.set()
+        replay.join(5)
+        pub.close(linger=0)
+
+
+def test_a_late_replay_counts_as_lost_is_logged_and_does_not_confuse_the_next(
+    ctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    port, rport = free_port(), free_port()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    buffer: dict[int, list[bytes]] = {}
+    replay = FakeReplay(ctx, f"tcp://127.0.0.1:{rport}", buffer)
+    replay.delay = 1.0
+    replay.start()
+    q: queue.Queue[Any] = queue.Queue(100)
+    spec = StreamSpec(0, f"tcp://127.0.0.1:{port}", False, f"tcp://127.0.0.1:{rport}")
+    r, counters, stop = start_receiver(ctx, spec, q, replay_timeout=0.2)
+    try:
+        base = join_pub(pub, q)
+        for seq in range(base, base + 3):
+            buffer[seq] = frames(seq)
+        with caplog.at_level("WARNING", logger="kvoe.kv_events"):
+            pub.send_multipart(frames(base))
+            pub.send_multipart(frames(base + 2))  # base + 1 lost; the replay answers too late
+            wait_for(lambda: q.qsize() >= 2)
+        c = counters.streams[0]
+        assert (c.gaps, c.replayed, c.lost) == (1, 0, 1)
+        assert [i[1] for i in drain(q)] == [base, base + 2]
+        assert any("kv_events_replay_timed_out" in m for m in caplog.messages), caplog.messages
+
+        # The late answer (base + 1 and on) arrives on the closed socket, not on the next one.
+        time.sleep(1.0)
+        replay.delay = 0.0
+        for seq in range(base + 3, base + 6):
+            buffer[seq] = frames(seq)
+        pub.send_multipart(frames(base + 3))
+        pub.send_multipart(frames(base + 5))
+        wait_for(lambda: q.qsize() >= 3)
+        assert [i[1] for i in drain(q)] == [base + 3, base + 4, base + 5]
+        assert (c.gaps, c.replayed, c.lost) == (2, 1, 1)
+        assert replay.requests == [base + 1, base + 4]
     finally:
         stop.set()
         r.join(5)

@@ -364,6 +364,7 @@ def test_per_target_endpoints_from_yaml(tmp_path: Path) -> None:
         (["--whatif-sample-rate", "0.1"], "needs --whatif-model stack"),
         (["--whatif-model", "stack", "--whatif-policy", "arc"], "plain LRU"),
         (["--kv-events-queue", "0"], "at least 1"),
+        (["--kv-events-replay-timeout", "0"], "(0, 60]"),
         (["--whatif-sample-rate", "0", "--whatif-model", "stack"], "(0, 1]"),
         (
             ["--vllm-url", "http://b:1", "--kv-events-bind", "tcp://127.0.0.1:1"],
