@@ -25,8 +25,9 @@ costs, the small one a loader's suffix takes included), per loader the steps fro
 job's submission to the worker reporting it done and to the step that computed its suffix,
 and each run's step submission over the run (`submission`: the engine's CPU handing a step
 over, which under `--enforce-eager` drifts within and between runs of the same work;
-docs/whatif.md, "What a step's submission says"). Steps that computed nothing are the log's
-`idle` count. Under that table, per shape and engine, how well the tier run's submission
+docs/whatif.md, "What a step's submission says"), with what one load job adds to a step's
+submission and plan within the run (`load_job_cost`). Steps that computed nothing are the
+log's `idle` count. Under that table, per shape and engine, how well the tier run's submission
 against its base's orders the pairs' summed TTFT change (`submission_order`).
 """
 
@@ -118,9 +119,11 @@ def event_steps(base: Path, offload: Path) -> dict[str, Any]:
             after[side].append(span)
         waited.append(spans["offload"][1] - spans["base"][1])
         loaders.append(len(mine))
-    change = matrixkit.paired_truth(b_records, o_records).get("relative_change")
+    truth = matrixkit.paired_truth(b_records, o_records)
+    change = truth.get("relative_change")
     return {
         "summed_ttft_change": None if change is None else round(float(change), 4),
+        "summed_ttft_base_s": truth.get("summed_ttft_base_s"),
         "bursts_loading": len(waited),
         "loaders_per_burst": round(statistics.fmean(loaders), 2) if loaders else None,
         "first_step_ms": {side: _median(v) for side, v in first.items()},
@@ -221,15 +224,18 @@ def submission(lines: Iterable[Mapping[str, Any]], parts: int = PARTS) -> dict[s
     steps = [s for s in lines if "i" in s and s.get("t1") is not None]
     computing = [s for s in steps if s["n"] > 0]
     marks: list[tuple[float, float]] = []
+    timed: list[Mapping[str, Any]] = []
     for s, nxt in pairwise(steps):
         if s["n"] > 0 and not nxt.get("idle") and nxt["t0"] < s["t2"]:
             marks.append((float(s["t1"]), float(nxt["t0"] - s["t1"])))
+            timed.append(s)
     out: dict[str, Any] = {
         "schedule_ms": _median([s["t1"] - s["t0"] for s in computing]),
         "update_ms": _median([s["t3"] - s["t2"] for s in computing]),
         "steps": len(marks),
         "median_ms": None,
         "by_part_ms": [],
+        "per_load_job": load_job_cost(computing, timed, [1000 * s for _, s in marks]),
     }
     if not marks:
         return out
@@ -240,6 +246,73 @@ def submission(lines: Iterable[Mapping[str, Any]], parts: int = PARTS) -> dict[s
     out["median_ms"] = _median([ms for _, ms in marks])
     out["by_part_ms"] = [_median(p) for p in by_part]
     return out
+
+
+def least_squares(
+    rows: Sequence[Sequence[float]], ys: Sequence[float]
+) -> tuple[list[float], list[float]] | None:
+    """Coefficients and their standard errors of ys on rows (ordinary least squares by the
+    normal equations); None where there are no more rows than columns or they are collinear."""
+    k, n = len(rows[0]) if rows else 0, len(rows)
+    if n <= k or k == 0:
+        return None
+    xtx = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    xty = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(k)]
+    # Gauss-Jordan on [X'X | I | X'y]: the inverse gives the standard errors.
+    m = [xtx[i] + [float(i == j) for j in range(k)] + [xty[i]] for i in range(k)]
+    for c in range(k):
+        p = max(range(c, k), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-12 * max(1.0, abs(xtx[c][c])):
+            return None
+        m[c], m[p] = m[p], m[c]
+        pivot = m[c][c]
+        m[c] = [v / pivot for v in m[c]]
+        for r in range(k):
+            if r != c and m[r][c]:
+                f = m[r][c]
+                m[r] = [a - f * b for a, b in zip(m[r], m[c], strict=True)]
+    beta = [m[i][-1] for i in range(k)]
+    resid = [
+        y - sum(b * x for b, x in zip(beta, r, strict=True)) for r, y in zip(rows, ys, strict=True)
+    ]
+    s2 = sum(e * e for e in resid) / (n - k)
+    return beta, [max(s2 * m[i][k + i], 0.0) ** 0.5 for i in range(k)]
+
+
+def load_job_cost(
+    computing: Sequence[Mapping[str, Any]],
+    timed: Sequence[Mapping[str, Any]],
+    submitted_ms: Sequence[float],
+) -> dict[str, Any] | None:
+    """What one load job adds to the engine's CPU work on its step, within one run (so the
+    host's speed, which drifts between runs, is held): the step's submission
+    (`submitted_ms`, of the `timed` steps) and its `schedule()` on the step's thousands of
+    tokens, requests and load jobs (least squares, ms a job with its standard error); and
+    the summed wait that implies, each job's ms times the requests its step carried (seconds:
+    under `--enforce-eager` the engine's one thread launches every step, so its requests all
+    wait for the extra work). None where the run has no load job."""
+    if not any(s.get("load") for s in computing):
+        return None
+
+    def row(s: Mapping[str, Any]) -> list[float]:
+        return [1.0, s["n"] / 1000, float(len(s["r"])), float(len(s.get("load") or {}))]
+
+    sub = least_squares([row(s) for s in timed], submitted_ms)
+    sched = least_squares(
+        [row(s) for s in computing], [1000 * (s["t1"] - s["t0"]) for s in computing]
+    )
+    if sub is None or sched is None:
+        return None
+    per_job_ms = sub[0][3] + sched[0][3]
+    carried = sum(len(s.get("load") or {}) * len(s["r"]) for s in computing)
+    return {
+        "submission_ms": round(sub[0][3], 2),
+        "submission_se_ms": round(sub[1][3], 2),
+        "schedule_ms": round(sched[0][3], 2),
+        "schedule_se_ms": round(sched[1][3], 2),
+        "jobs": sum(len(s.get("load") or {}) for s in computing),
+        "implied_wait_s": round(per_job_ms * carried / 1000, 3),
+    }
 
 
 def burst_pairs(root: Path, names: Sequence[str] = ()) -> dict[str, str]:
@@ -386,10 +459,25 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
         + f" over {order['pairs']} pairs."
     )
     runs: dict[str, Mapping[str, Any]] = {}
+    base_ttft: dict[str, float] = {}
     for name, r in rows.items():
         if "engine" in r:
             runs.setdefault(r["base"], r["engine"]["base"]["submission"])
             runs[name] = r["engine"]["offload"]["submission"]
+            if r.get("summed_ttft_base_s"):
+                base_ttft[name] = float(r["summed_ttft_base_s"])
+
+    def per_job(n: str, x: Mapping[str, Any]) -> list[str]:
+        j = x.get("per_load_job")
+        if not j:
+            return ["-", "-", "-"]
+        share = f" ({100 * j['implied_wait_s'] / base_ttft[n]:.1f} %)" if n in base_ttft else ""
+        return [
+            f"{j['submission_ms']} +- {j['submission_se_ms']}",
+            f"{j['schedule_ms']} +- {j['schedule_se_ms']}",
+            f"{j['implied_wait_s']}{share}",
+        ]
+
     if runs:
         sub = markdown_table(
             [
@@ -399,6 +487,9 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
                 "steps timed",
                 "submission ms",
                 f"by {PARTS} spans of the run, ms",
+                "a load job: submission ms",
+                "a load job: schedule() ms",
+                "load jobs' implied wait s (of the base's summed TTFT)",
             ],
             [
                 [
@@ -408,6 +499,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
                     str(x["steps"]),
                     v(x["median_ms"]),
                     " ".join(map(v, x["by_part_ms"])),
+                    *per_job(n, x),
                 ]
                 for n, x in runs.items()
             ],

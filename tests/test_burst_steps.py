@@ -23,6 +23,11 @@ def rows() -> dict[str, dict[str, Any]]:
     return burst_steps.table(MATRIX, [*PAIRS, *set(PAIRS.values())])
 
 
+@pytest.fixture(scope="module")
+def every_pair() -> dict[str, dict[str, Any]]:
+    return burst_steps.table(MATRIX)
+
+
 def test_a_0_6b_loader_waits_steps_after_the_one_that_served_the_others(
     rows: dict[str, dict[str, Any]],
 ) -> None:
@@ -212,13 +217,15 @@ def test_a_steps_submission_is_from_its_plan_to_the_next_plan_made_before_its_ou
     assert burst_steps.submission([])["median_ms"] is None
 
 
-def test_on_the_eager_4b_bursts_the_hosts_speed_orders_what_the_tier_cost() -> None:
+def test_on_the_eager_4b_bursts_the_hosts_speed_orders_what_the_tier_cost(
+    every_pair: dict[str, dict[str, Any]],
+) -> None:
     """docs/whatif.md, "What a step's submission says": over every step-logged eager 4B pair
     the tier run's submission against its base's orders the summed TTFT change, and the
     harmful enable's pair (16 GiB from `-none-rep2`) had the tier run submit its steps
     slower than its base by more than any pair that paid; with CUDA graphs the tier's runs
     submit faster than their bases (a loader's suffix step replays a graph)."""
-    rows = burst_steps.table(MATRIX)
+    rows = every_pair
     eager4 = {n: r for n, r in rows.items() if r["shape"] == "qwen3-4b" and r["eager"]}
     logged = {n: r for n, r in eager4.items() if "engine" in r}
     (key, order), *others = burst_steps.submission_order(logged).items()
@@ -235,3 +242,73 @@ def test_on_the_eager_4b_bursts_the_hosts_speed_orders_what_the_tier_cost() -> N
     assert paid and ratio(harmful) > max(paid) + 0.2
     graphs = [r for r in rows.values() if "engine" in r and not r["eager"]]
     assert graphs and all(ratio(r) < 0 for r in graphs)
+
+
+def test_least_squares_recovers_known_coefficients_and_refuses_collinear_rows() -> None:
+    rows = [[1.0, float(x), float(x * x % 7)] for x in range(12)]
+    ys = [2.0 + 0.5 * r[1] - 1.5 * r[2] for r in rows]
+    fit = burst_steps.least_squares(rows, ys)
+    assert fit is not None
+    beta, se = fit
+    assert beta == pytest.approx([2.0, 0.5, -1.5], abs=1e-9)
+    assert se == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
+    assert burst_steps.least_squares([[1.0, 2.0, 4.0]] * 5, [1.0] * 5) is None
+    assert burst_steps.least_squares(rows[:2], ys[:2]) is None
+
+
+def test_a_load_jobs_cpu_work_is_read_within_a_run() -> None:
+    """`load_job_cost`: steps whose submission and plan grow 3 ms and 1 ms a load job (and
+    with their tokens and requests) give those back, and the implied wait is each job's 4 ms
+    times the requests its step carried; a run without a load job has none."""
+
+    def step(i: int, n: int, reqs: int, loads: int) -> dict[str, Any]:
+        t0 = 100.0 + i
+        sched = (0.5 + 0.2 * reqs + 1.0 * loads) / 1000
+        return {
+            "i": i,
+            "t0": t0,
+            "t1": t0 + sched,
+            "t2": t0 + 0.5,
+            "t3": t0 + 0.501,
+            "n": n,
+            "r": {f"q{k}": n // reqs for k in range(reqs)},
+            "load": {f"j{i}-{k}": f"q{k}" for k in range(loads)},
+        }
+
+    shapes = [(512 * (1 + i % 3), 1 + i % 5, i % 4 if i % 5 else 0) for i in range(40)]
+    steps = [step(i, n, r, min(loads, r)) for i, (n, r, loads) in enumerate(shapes)]
+    submitted = [
+        20.0 + 4.0 * s["n"] / 1000 + 0.3 * len(s["r"]) + 3.0 * len(s["load"]) for s in steps
+    ]
+    out = burst_steps.load_job_cost(steps, steps, submitted)
+    assert out is not None
+    assert (out["submission_ms"], out["schedule_ms"]) == (3.0, 1.0)
+    assert out["submission_se_ms"] == out["schedule_se_ms"] == 0.0
+    carried = sum(len(s["load"]) * len(s["r"]) for s in steps)
+    assert out["jobs"] == sum(len(s["load"]) for s in steps) > 0
+    assert out["implied_wait_s"] == pytest.approx(4.0 * carried / 1000, abs=1e-3)
+    for s in steps:
+        s["load"] = {}
+    assert burst_steps.load_job_cost(steps, steps, submitted) is None
+
+
+def test_a_load_jobs_own_cpu_work_is_a_minority_of_what_the_eager_4b_tier_cost(
+    every_pair: dict[str, dict[str, Any]],
+) -> None:
+    """docs/whatif.md, "What a step's submission says": held at its run's host speed, a load
+    job's submission and plan imply a wait of at most 5 % of the base's summed TTFT on every
+    step-logged tier run, and under half of the change of every eager 4B pair that cost."""
+    logged = {n: r for n, r in every_pair.items() if "engine" in r}
+    shares = {}
+    for name, r in logged.items():
+        job = r["engine"]["offload"]["submission"]["per_load_job"]
+        assert job is not None and job["jobs"] > 100, name
+        shares[name] = job["implied_wait_s"] / r["summed_ttft_base_s"]
+    assert len(shares) >= 15 and max(shares.values()) < 0.05
+    costly = [
+        n
+        for n, r in logged.items()
+        if r["shape"] == "qwen3-4b" and r["eager"] and r["summed_ttft_change"] >= 0.03
+    ]
+    assert len(costly) >= 5
+    assert all(shares[n] < logged[n]["summed_ttft_change"] / 2 for n in costly)
