@@ -67,6 +67,10 @@ class LaunchConfig:
     blocks_per_chunk: int | None = None
     ucx_tls: str | None = None  # UCX transports NIXL may use (environment), None unknown
     environ_read: bool = False  # the environment was readable (simple-offload switch known)
+    # False where the command line turns CUDA graphs off (`_cuda_graphs`): such an engine
+    # launches every kernel of every step from its one thread, and on the H200/H100 matrix
+    # a CPU tier paid less there than the what-if predicts, or cost (docs/advisor.md).
+    cuda_graphs: bool = True
 
     @property
     def tiers_label(self) -> str:
@@ -168,6 +172,32 @@ def _transfer_config(flags: Mapping[str, list[str]]) -> dict[str, Any]:
     return cfg
 
 
+def _cuda_graphs(argv: Sequence[str], flags: Mapping[str, list[str]]) -> bool:
+    """Whether the engine captures CUDA graphs: not with `--enforce-eager` (the last of it and
+    `--no-enforce-eager` wins), nor with cudagraph_mode NONE in `--compilation-config` /
+    `-cc` (JSON, or the dotted `--compilation-config.cudagraph_mode NONE`)."""
+    eager = False
+    modes: list[str] = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--enforce-eager", "--enforce_eager"):
+            eager = not eq or value.strip().lower() in _TRUE
+        elif name in ("--no-enforce-eager", "--no_enforce_eager"):
+            eager = False
+        elif name == "-cc" or name.startswith("-cc."):
+            text = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            key = name[4:].replace("-", "_")
+            if name == "-cc":
+                doc = _json_object(text) or {}
+                modes.append(str(doc.get("cudagraph_mode", "")))
+            elif key == "cudagraph_mode":
+                modes.append(text)
+    for text in flags.get("compilation-config", []):
+        modes.append(str((_json_object(text) or {}).get("cudagraph_mode", "")))
+    modes += flags.get("compilation-config.cudagraph-mode", [])
+    return not eager and not any(m.strip().upper() == "NONE" for m in modes)
+
+
 def is_vllm_server(argv: Sequence[str]) -> bool:
     """A command line that can carry vLLM serving flags (not a setproctitle title)."""
     return any(a.startswith("--") for a in argv)
@@ -220,6 +250,7 @@ def launch_config(argv: Sequence[str], environ: Mapping[str, str] | None = None)
         blocks_per_chunk=bpc if bpc and bpc > 0 else None,
         ucx_tls=env.get("UCX_TLS") if environ is not None else None,
         environ_read=environ is not None,
+        cuda_graphs=_cuda_graphs(argv, flags),
     )
 
 

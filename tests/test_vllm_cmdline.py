@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from bench.advice_eval import MATRIX
+from bench.common import recording_metas
 from exporter.vllm_cmdline import launch_config, parse_environ
 from tests.helpers import GIB, recorded_cmd
 
@@ -107,3 +109,36 @@ def test_launch_config_forms_vllm_accepts() -> None:
     broken = launch_config([*base, "--kv-transfer-config", "{not json"])
     assert broken.connector == ""
     assert parse_environ(b"A=1\0B=x=y\0\0junk\0") == {"A": "1", "B": "x=y"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "graphs"),
+    [
+        ([], True),
+        (["--enforce-eager"], False),
+        (["--enforce_eager"], False),
+        (["--enforce-eager=true"], False),
+        (["--enforce-eager=false"], True),
+        (["--enforce-eager", "--no-enforce-eager"], True),
+        (["--no-enforce-eager", "--enforce-eager"], False),
+        (["--compilation-config", '{"cudagraph_mode": "NONE"}'], False),
+        (["--compilation-config", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}'], True),
+        (["--compilation-config.cudagraph_mode", "NONE"], False),
+        (["-cc", '{"cudagraph_mode": "none"}'], False),
+        (["-cc.cudagraph_mode=NONE"], False),
+        (["-cc.cudagraph_mode", "PIECEWISE"], True),
+        (["--compilation-config", "not json"], True),
+    ],
+)
+def test_cuda_graphs_off_where_the_command_line_says_so(flags: list[str], graphs: bool) -> None:
+    assert launch_config(["vllm", "serve", "m", *flags]).cuda_graphs is graphs
+
+
+def test_the_matrix_recordings_say_eager_or_graphs_as_their_scenarios_do() -> None:
+    """Every GPU recording's meta.json: the eager ones carry --enforce-eager, the
+    `-graphs-` ones (bench/gpu/scenarios/graphs.json and holdout.json) do not."""
+    metas = recording_metas(MATRIX, ())
+    assert len(metas) > 100
+    for name, meta in metas.items():
+        lc = launch_config(meta["vllm_argv"])
+        assert lc.cuda_graphs is ("-graphs-" in name), name

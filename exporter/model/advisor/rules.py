@@ -94,6 +94,25 @@ def _lost_events_note(inp: AdvisorInput, reason: Reason) -> str:
     )
 
 
+def _eager_note(d: EngineDerived, action: Action) -> str:
+    """A caution on an enable or a grow for an engine without CUDA graphs.
+
+    Not a rule: nothing a window without offload shows prices it. Such an engine launches
+    every kernel of every step from its one thread, and each request that loads adds a step
+    of its own; on the eager matrix recordings the enables the what-if predicted to save
+    saved less (8B bursts: +0.117 s/s predicted, +0.028 measured) or cost (4B bursts:
+    +0.066 predicted, 38.9 % more TTFT measured), where with CUDA graphs the same traffic
+    paid (docs/advisor.md, "Where enabling is wrong")."""
+    if d.cuda_graphs is not False or action not in (Action.ENABLE_OFFLOAD, Action.GROW_BUFFER):
+        return ""
+    return (
+        " This engine runs without CUDA graphs (--enforce-eager or cudagraph_mode NONE): "
+        "there a CPU tier has saved less than predicted before enabling, or cost. Watch "
+        "kvoffload_offload_delivered_ttft_saved_seconds_per_second once it is on: the advice "
+        "turns offload off when the same traffic is not faster than before."
+    )
+
+
 # Pinned pools cost more than the flag says: vLLM 0.26 rounds each per-layer tensor up to a
 # power of two (0.5 GiB became 896 MiB on the H200); assume the worst when not measured.
 DEFAULT_POOL_OVERHEAD = 2.0
@@ -143,6 +162,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         "transfer_tokens_per_second": d.transfer_tokens_per_second,
         "transfer_speedup_ratio": speedup,
         "transfer_rate_estimated": 1.0 if d.transfer_estimated else 0.0,
+        "engine_cuda_graphs": None if d.cuda_graphs is None else float(d.cuda_graphs),
         "measured_saving_seconds_per_loaded_token": saving,
         "offload_buffer_bytes": d.offload_buffer_bytes,
         "offload_stored_since_start_bytes": d.offload_stored_bytes,
@@ -182,7 +202,11 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["offload_pool_bytes"] = inp.memory.pool_bytes
 
     def advice(action: Action, reason: Reason, text: str, rec: float | None = None) -> Advice:
-        note = _policy_note(inp, th, action, reason) + _lost_events_note(inp, reason)
+        note = (
+            _policy_note(inp, th, action, reason)
+            + _lost_events_note(inp, reason)
+            + _eager_note(d, action)
+        )
         return Advice(action, reason, text + note, rec, numbers)
 
     best = max(inp.policy_alternatives, key=lambda p: p.hit_ratio, default=None)

@@ -325,6 +325,12 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
         "transfer_speedup_ratio": NumberInfo(
             "reload / recompute speed", "x", "reload speed over marginal recompute speed"
         ),
+        "engine_cuda_graphs": NumberInfo(
+            "CUDA graphs",
+            "bool",
+            "whether the engine serves with CUDA graphs: 0 where its command line says "
+            "--enforce-eager or cudagraph_mode NONE; absent where the command line is unknown",
+        ),
         "transfer_rate_estimated": NumberInfo(
             "reload rate estimated, not measured",
             "bool",

@@ -118,6 +118,9 @@ class EngineDerived:
     # Tokens the GPU computed over the window, in GPU KV caches' worth (gpu_cache_turnover);
     # None where vLLM says neither the cache's size nor how many prompt tokens it computed.
     gpu_cache_turnover: float | None = None
+    # Whether the engine serves with CUDA graphs (LaunchConfig.cuda_graphs); None where its
+    # command line is unknown.
+    cuda_graphs: bool | None = None
 
     @property
     def tier_filling(self) -> bool:
@@ -416,6 +419,7 @@ def derive_engine(
         load_wait_share=settings.load_wait_share,
         offload_stored_bytes=es.counters.get("store_bytes") if enabled else None,
         computed_token_floor=settings.computed_token_floor,
+        cuda_graphs=settings.launch.cuda_graphs if settings.launch is not None else None,
         gpu_cache_turnover=gpu_cache_turnover(window, capacity) if fresh else None,
         window=window,
         totals=dict(totals),

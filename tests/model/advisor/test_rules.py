@@ -129,6 +129,30 @@ def test_laptop_case_recompute_after_eviction_enables_offload_with_knee_size():
     assert "--kv-offloading-size 0.5" in a.explanation
 
 
+def test_an_enable_or_grow_on_an_engine_without_cuda_graphs_carries_a_caution():
+    """The action is the what-if's; an eager engine's enable and grow say that such engines
+    saved less than predicted or paid for it, and what to watch. Not with CUDA graphs, not
+    where the command line is unknown, not on other actions."""
+    w = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0)
+    caution = "This engine runs without CUDA graphs"
+    eager = evaluate(inp(base(cuda_graphs=False), whatif=w))
+    graphs = evaluate(inp(base(cuda_graphs=True), whatif=w))
+    unknown = evaluate(inp(base(), whatif=w))
+    assert eager.action == graphs.action == unknown.action == Action.ENABLE_OFFLOAD
+    assert eager.recommended_buffer_bytes == graphs.recommended_buffer_bytes
+    assert caution in eager.explanation and eager.numbers["engine_cuda_graphs"] == 0.0
+    assert "kvoffload_offload_delivered_ttft_saved_seconds_per_second" in eager.explanation
+    assert caution not in graphs.explanation and graphs.numbers["engine_cuda_graphs"] == 1.0
+    assert caution not in unknown.explanation and unknown.numbers["engine_cuda_graphs"] is None
+
+    small = WhatIfState(CURVE, 70_000.0, configured_hit_ratio=0.01)
+    on = {**ON, "offload_buffer_bytes": 0.25 * GIB, "offload_hit_ratio": 0.01}
+    grow = evaluate(inp(base(**on, cuda_graphs=False), whatif=small))
+    assert grow.action == Action.GROW_BUFFER and caution in grow.explanation
+    keep = evaluate(inp(base(**ON, cuda_graphs=False)))
+    assert keep.action == Action.KEEP and caution not in keep.explanation
+
+
 def test_advice_from_a_what_if_that_lost_event_batches_says_so():
     """Every lost batch can only hide hits, so the advice names the share, whatever it is;
     no note before the evidence is weighed, nor without losses."""
