@@ -356,9 +356,11 @@ def cmd_gpu_sample(a: argparse.Namespace) -> int:
 # says"); a pair's truth cannot tell that drift from the tier's cost unless the host is
 # timed on its own. So each turn times, in a process of vLLM's Python while its server idles
 # loaded, a fixed Python loop and a fixed run of kernel launches, before its traffic and
-# after.
-PROBE_PY_ITERATIONS = 200_000
-PROBE_LAUNCHES = 2_000
+# after. Sizes from session 43's H100 host, each probe a fresh process: a loop of 200,000
+# iterations read 46 to 98 ns an iteration alone, one of 2,000,000 48.7 to 49.5; 20,000
+# launches read 6.0 to 6.3 us alone (tests/fixtures/gpu/matrix/session-2026-12-07/).
+PROBE_PY_ITERATIONS = 2_000_000
+PROBE_LAUNCHES = 20_000
 PROBE_REPEATS = 5
 PROBE_TIMEOUT_S = 60.0
 
