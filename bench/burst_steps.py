@@ -26,7 +26,9 @@ job's submission to the worker reporting it done and to the step that computed i
 and each run's step submission over the run (`submission`: the engine's CPU handing a step
 over, which under `--enforce-eager` drifts within and between runs of the same work;
 docs/whatif.md, "What a step's submission says"), with what one load job adds to a step's
-submission and plan within the run (`load_job_cost`). Steps that computed nothing are the
+submission and plan within the run (`load_job_cost`) and, where the driver probed the host
+around the run (meta.json's `host_probe`, batch 37 on), its kernel launch time before and
+after the traffic. Steps that computed nothing are the
 log's `idle` count. Under that table, per shape and engine, how well the tier run's submission
 against its base's orders the pairs' summed TTFT change (`submission_order`).
 """
@@ -34,6 +36,7 @@ against its base's orders the pairs' summed TTFT change (`submission_order`).
 from __future__ import annotations
 
 import bisect
+import json
 import statistics
 import sys
 from collections import defaultdict
@@ -315,6 +318,21 @@ def load_job_cost(
     }
 
 
+def host_probe(run: Path) -> dict[str, float | None] | None:
+    """The kernel launch time (us, the fastest of its repeats) the driver measured on the
+    host before and after the run's traffic (meta.json's `host_probe`, since batch 37;
+    bench/gpu/matrix.py); None for a run recorded without it."""
+    meta = json.loads((run / "meta.json").read_text())
+    probes = meta.get("host_probe")
+    if not isinstance(probes, dict):
+        return None
+    out: dict[str, float | None] = {}
+    for when in ("before", "after"):
+        launch = (probes.get(when) or {}).get("launch_us")
+        out[when] = float(launch) if isinstance(launch, int | float) else None
+    return out
+
+
 def burst_pairs(root: Path, names: Sequence[str] = ()) -> dict[str, str]:
     """Every offload run of the bursts (`concurrent`) under `root` (or of `names`) whose
     pair has a run without offload on its machine: that run (matrixkit.base_run)."""
@@ -345,8 +363,11 @@ def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str,
         logs = [root / n / "steps.jsonl.xz" for n in (base, name)]
         if all(p.exists() for p in logs):
             row["engine"] = {
-                side: engine_steps(gpukit.iter_jsonl(p))
-                for side, p in zip(("base", "offload"), logs, strict=True)
+                side: {
+                    **engine_steps(gpukit.iter_jsonl(p)),
+                    "host_probe": host_probe(root / run),
+                }
+                for side, p, run in zip(("base", "offload"), logs, (base, name), strict=True)
             }
         out[name] = row
     return out
@@ -459,13 +480,19 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
         + f" over {order['pairs']} pairs."
     )
     runs: dict[str, Mapping[str, Any]] = {}
+    probes: dict[str, Mapping[str, float | None] | None] = {}
     base_ttft: dict[str, float] = {}
     for name, r in rows.items():
         if "engine" in r:
-            runs.setdefault(r["base"], r["engine"]["base"]["submission"])
-            runs[name] = r["engine"]["offload"]["submission"]
+            for run, side in ((r["base"], "base"), (name, "offload")):
+                runs[run] = r["engine"][side]["submission"]
+                probes[run] = r["engine"][side].get("host_probe")
             if r.get("summed_ttft_base_s"):
                 base_ttft[name] = float(r["summed_ttft_base_s"])
+
+    def probe(n: str) -> str:
+        p = probes.get(n)
+        return "-" if not p else f"{v(p['before'])} / {v(p['after'])}"
 
     def per_job(n: str, x: Mapping[str, Any]) -> list[str]:
         j = x.get("per_load_job")
@@ -490,6 +517,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
                 "a load job: submission ms",
                 "a load job: schedule() ms",
                 "load jobs' implied wait s (of the base's summed TTFT)",
+                "host: a launch us, before / after",
             ],
             [
                 [
@@ -500,6 +528,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]]) -> str:
                     v(x["median_ms"]),
                     " ".join(map(v, x["by_part_ms"])),
                     *per_job(n, x),
+                    probe(n),
                 ]
                 for n, x in runs.items()
             ],

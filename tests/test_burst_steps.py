@@ -312,3 +312,32 @@ def test_a_load_jobs_own_cpu_work_is_a_minority_of_what_the_eager_4b_tier_cost(
     ]
     assert len(costly) >= 5
     assert all(shares[n] < logged[n]["summed_ttft_change"] / 2 for n in costly)
+
+
+def test_the_host_probe_is_read_from_a_runs_meta(tmp_path: Any) -> None:
+    """meta.json's `host_probe` (the driver's, since batch 37): the fastest launch before and
+    after the traffic; a run without it, or whose probe failed, says so."""
+    import json
+
+    def run(name: str, meta: dict[str, Any]) -> Any:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "meta.json").write_text(json.dumps(meta))
+        return d
+
+    probed = run(
+        "probed",
+        {
+            "host_probe": {
+                "before": {"python_ns": 49.0, "launch_us": 6.1, "launch_us_median": 6.2},
+                "after": {"python_ns": 50.0, "error": "RuntimeError: torch sees no CUDA device"},
+            }
+        },
+    )
+    assert burst_steps.host_probe(probed) == {"before": 6.1, "after": None}
+    assert burst_steps.host_probe(run("old", {"vllm_argv": []})) is None
+    rows = burst_steps.table(
+        MATRIX, ["qwen3-8b-concurrent-cpu16g-steps", "qwen3-8b-concurrent-none-steps"]
+    )
+    (row,) = rows.values()
+    assert row["engine"]["base"]["host_probe"] is row["engine"]["offload"]["host_probe"] is None
