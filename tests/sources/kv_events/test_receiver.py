@@ -7,6 +7,8 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -99,7 +101,19 @@ def wait_for(cond: Any, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_receiver_replays_a_gap_in_order(ctx: zmq.Context[Any]) -> None:
+@dataclass
+class ReplayRig:
+    """A PUB, vLLM's replay ROUTER (FakeReplay) over `buffer`, and a receiver of both."""
+
+    pub: zmq.Socket[Any]
+    buffer: dict[int, list[bytes]]
+    replay: FakeReplay
+    q: queue.Queue[Any]
+    counters: ReceiverCounters
+
+
+@contextmanager
+def replay_rig(ctx: zmq.Context[Any], replay_timeout: float = 2.0) -> Iterator[ReplayRig]:
     port, rport = free_port(), free_port()
     pub = ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{port}")
@@ -108,70 +122,60 @@ def test_receiver_replays_a_gap_in_order(ctx: zmq.Context[Any]) -> None:
     replay.start()
     q: queue.Queue[Any] = queue.Queue(100)
     spec = StreamSpec(0, f"tcp://127.0.0.1:{port}", False, f"tcp://127.0.0.1:{rport}")
-    r, counters, stop = start_receiver(ctx, spec, q)
+    r, counters, stop = start_receiver(ctx, spec, q, replay_timeout=replay_timeout)
     try:
-        base = join_pub(pub, q)
-        for seq in range(base, base + 6):
-            buffer[seq] = frames(seq)
-            if seq not in (base + 2, base + 3):  # the PUB drops two batches
-                pub.send_multipart(frames(seq))
-        wait_for(lambda: q.qsize() >= 6)
-        seqs = [item[1] for item in drain(q)]
-        assert seqs == list(range(base, base + 6))
-        c = counters.streams[0]
-        assert (c.gaps, c.replayed, c.lost) == (1, 2, 0)
-        assert replay.requests == [base + 2]
+        yield ReplayRig(pub, buffer, replay, q, counters)
     finally:
         stop.set()
         r.join(5)
         replay.stop.set()
         replay.join(5)
         pub.close(linger=0)
+
+
+def test_receiver_replays_a_gap_in_order(ctx: zmq.Context[Any]) -> None:
+    with replay_rig(ctx) as rig:
+        base = join_pub(rig.pub, rig.q)
+        for seq in range(base, base + 6):
+            rig.buffer[seq] = frames(seq)
+            if seq not in (base + 2, base + 3):  # the PUB drops two batches
+                rig.pub.send_multipart(frames(seq))
+        wait_for(lambda: rig.q.qsize() >= 6)
+        seqs = [item[1] for item in drain(rig.q)]
+        assert seqs == list(range(base, base + 6))
+        c = rig.counters.streams[0]
+        assert (c.gaps, c.replayed, c.lost) == (1, 2, 0)
+        assert rig.replay.requests == [base + 2]
 
 
 def test_a_late_replay_counts_as_lost_is_logged_and_does_not_confuse_the_next(
     ctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    port, rport = free_port(), free_port()
-    pub = ctx.socket(zmq.PUB)
-    pub.bind(f"tcp://127.0.0.1:{port}")
-    buffer: dict[int, list[bytes]] = {}
-    replay = FakeReplay(ctx, f"tcp://127.0.0.1:{rport}", buffer)
-    replay.delay = 1.0
-    replay.start()
-    q: queue.Queue[Any] = queue.Queue(100)
-    spec = StreamSpec(0, f"tcp://127.0.0.1:{port}", False, f"tcp://127.0.0.1:{rport}")
-    r, counters, stop = start_receiver(ctx, spec, q, replay_timeout=0.2)
-    try:
-        base = join_pub(pub, q)
+    with replay_rig(ctx, replay_timeout=0.2) as rig:
+        rig.replay.delay = 1.0
+        base = join_pub(rig.pub, rig.q)
         for seq in range(base, base + 3):
-            buffer[seq] = frames(seq)
+            rig.buffer[seq] = frames(seq)
         with caplog.at_level("WARNING", logger="kvoe.kv_events"):
-            pub.send_multipart(frames(base))
-            pub.send_multipart(frames(base + 2))  # base + 1 lost; the replay answers too late
-            wait_for(lambda: q.qsize() >= 2)
-        c = counters.streams[0]
+            rig.pub.send_multipart(frames(base))
+            rig.pub.send_multipart(frames(base + 2))  # base + 1 lost; the replay answers late
+            wait_for(lambda: rig.q.qsize() >= 2)
+        c = rig.counters.streams[0]
         assert (c.gaps, c.replayed, c.lost) == (1, 0, 1)
-        assert [i[1] for i in drain(q)] == [base, base + 2]
+        assert [i[1] for i in drain(rig.q)] == [base, base + 2]
         assert any("kv_events_replay_timed_out" in m for m in caplog.messages), caplog.messages
 
         # The late answer (base + 1 and on) arrives on the closed socket, not on the next one.
         time.sleep(1.0)
-        replay.delay = 0.0
+        rig.replay.delay = 0.0
         for seq in range(base + 3, base + 6):
-            buffer[seq] = frames(seq)
-        pub.send_multipart(frames(base + 3))
-        pub.send_multipart(frames(base + 5))
-        wait_for(lambda: q.qsize() >= 3)
-        assert [i[1] for i in drain(q)] == [base + 3, base + 4, base + 5]
+            rig.buffer[seq] = frames(seq)
+        rig.pub.send_multipart(frames(base + 3))
+        rig.pub.send_multipart(frames(base + 5))
+        wait_for(lambda: rig.q.qsize() >= 3)
+        assert [i[1] for i in drain(rig.q)] == [base + 3, base + 4, base + 5]
         assert (c.gaps, c.replayed, c.lost) == (2, 1, 1)
-        assert replay.requests == [base + 1, base + 4]
-    finally:
-        stop.set()
-        r.join(5)
-        replay.stop.set()
-        replay.join(5)
-        pub.close(linger=0)
+        assert rig.replay.requests == [base + 1, base + 4]
 
 
 def test_receiver_counts_lost_batches_restarts_garbage_and_drops(ctx: zmq.Context[Any]) -> None:
