@@ -47,6 +47,7 @@ from typing import Any
 
 from bench.advice_eval import MATRIX
 from bench.common import loaded_tokens, markdown_table, recording_metas, recordings_main
+from exporter.model.derive.fits import least_squares
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import gpukit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
@@ -251,37 +252,6 @@ def submission(lines: Iterable[Mapping[str, Any]], parts: int = PARTS) -> dict[s
     return out
 
 
-def least_squares(
-    rows: Sequence[Sequence[float]], ys: Sequence[float]
-) -> tuple[list[float], list[float]] | None:
-    """Coefficients and their standard errors of ys on rows (ordinary least squares by the
-    normal equations); None where there are no more rows than columns or they are collinear."""
-    k, n = len(rows[0]) if rows else 0, len(rows)
-    if n <= k or k == 0:
-        return None
-    xtx = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
-    xty = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(k)]
-    # Gauss-Jordan on [X'X | I | X'y]: the inverse gives the standard errors.
-    m = [xtx[i] + [float(i == j) for j in range(k)] + [xty[i]] for i in range(k)]
-    for c in range(k):
-        p = max(range(c, k), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-12 * max(1.0, abs(xtx[c][c])):
-            return None
-        m[c], m[p] = m[p], m[c]
-        pivot = m[c][c]
-        m[c] = [v / pivot for v in m[c]]
-        for r in range(k):
-            if r != c and m[r][c]:
-                f = m[r][c]
-                m[r] = [a - f * b for a, b in zip(m[r], m[c], strict=True)]
-    beta = [m[i][-1] for i in range(k)]
-    resid = [
-        y - sum(b * x for b, x in zip(beta, r, strict=True)) for r, y in zip(rows, ys, strict=True)
-    ]
-    s2 = sum(e * e for e in resid) / (n - k)
-    return beta, [max(s2 * m[i][k + i], 0.0) ** 0.5 for i in range(k)]
-
-
 def load_job_cost(
     computing: Sequence[Mapping[str, Any]],
     timed: Sequence[Mapping[str, Any]],
@@ -297,13 +267,16 @@ def load_job_cost(
     if not any(s.get("load") for s in computing):
         return None
 
-    def row(s: Mapping[str, Any]) -> list[float]:
-        return [1.0, s["n"] / 1000, float(len(s["r"])), float(len(s.get("load") or {}))]
+    def columns(steps: Sequence[Mapping[str, Any]]) -> list[list[float]]:
+        return [
+            [1.0] * len(steps),
+            [s["n"] / 1000 for s in steps],
+            [float(len(s["r"])) for s in steps],
+            [float(len(s.get("load") or {})) for s in steps],
+        ]
 
-    sub = least_squares([row(s) for s in timed], submitted_ms)
-    sched = least_squares(
-        [row(s) for s in computing], [1000 * (s["t1"] - s["t0"]) for s in computing]
-    )
+    sub = least_squares(columns(timed), list(submitted_ms))
+    sched = least_squares(columns(computing), [1000 * (s["t1"] - s["t0"]) for s in computing])
     if sub is None or sched is None:
         return None
     per_job_ms = sub[0][3] + sched[0][3]

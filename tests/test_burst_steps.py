@@ -244,18 +244,6 @@ def test_on_the_eager_4b_bursts_the_hosts_speed_orders_what_the_tier_cost(
     assert graphs and all(ratio(r) < 0 for r in graphs)
 
 
-def test_least_squares_recovers_known_coefficients_and_refuses_collinear_rows() -> None:
-    rows = [[1.0, float(x), float(x * x % 7)] for x in range(12)]
-    ys = [2.0 + 0.5 * r[1] - 1.5 * r[2] for r in rows]
-    fit = burst_steps.least_squares(rows, ys)
-    assert fit is not None
-    beta, se = fit
-    assert beta == pytest.approx([2.0, 0.5, -1.5], abs=1e-9)
-    assert se == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
-    assert burst_steps.least_squares([[1.0, 2.0, 4.0]] * 5, [1.0] * 5) is None
-    assert burst_steps.least_squares(rows[:2], ys[:2]) is None
-
-
 def test_a_load_jobs_cpu_work_is_read_within_a_run() -> None:
     """`load_job_cost`: steps whose submission and plan grow 3 ms and 1 ms a load job (and
     with their tokens and requests) give those back, and the implied wait is each job's 4 ms

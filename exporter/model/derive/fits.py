@@ -195,6 +195,22 @@ def _covariance(
     return [[sigma2 * v for v in row] for row in inv]
 
 
+def least_squares(
+    columns: list[list[float]], y: list[float], min_det: float = 1e-6
+) -> tuple[list[float], list[float]] | None:
+    """Ordinary least squares of y on the columns (an intercept is a column of ones): the
+    coefficients and their standard errors; None where the columns are (nearly) collinear
+    (`_lstsq`'s `min_det`) or there are no more points than columns."""
+    fitted = _lstsq(columns, y, min_det)
+    if fitted is None:
+        return None
+    coef, unit = fitted
+    cov = _covariance(columns, y, coef, unit)
+    if cov is None:
+        return None
+    return coef, [math.sqrt(max(cov[i][i], 0.0)) for i in range(len(coef))]
+
+
 @dataclass(frozen=True, slots=True)
 class _Fitted:
     coef: list[float]

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from exporter.model.derive.balance import offload_balance
-from exporter.model.derive.fits import OffloadFit, PrefillFit, offload_fit, prefill_fit
+from exporter.model.derive.fits import (
+    OffloadFit,
+    PrefillFit,
+    least_squares,
+    offload_fit,
+    prefill_fit,
+)
 
 
 def test_prefill_fit_recovers_marginal_cost_and_fixed_overhead():
@@ -240,3 +246,27 @@ def test_a_fits_prediction_of_a_total_carries_its_covariance() -> None:
     # Without the covariance nothing is claimed.
     bare = PrefillFit(overhead, per_token, 60, 0.9, 1e-6)
     assert bare.predict(requests, tokens) == (pytest.approx(truth), None)
+
+
+def test_least_squares_gives_coefficients_and_standard_errors() -> None:
+    """`least_squares` (bench.burst_steps reads a load job's cost with it): exact data gives
+    the coefficients back with no error; noise gives the textbook standard error of a slope;
+    collinear columns, or no more points than columns, give none."""
+    xs = [float(x) for x in range(12)]
+    zs = [float(x * x % 7) for x in range(12)]
+    ones = [1.0] * 12
+    exact = least_squares(
+        [ones, xs, zs], [2.0 + 0.5 * x - 1.5 * z for x, z in zip(xs, zs, strict=True)]
+    )
+    assert exact is not None
+    assert exact[0] == pytest.approx([2.0, 0.5, -1.5], abs=1e-9)
+    assert exact[1] == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
+    noisy = [1.0 + 2.0 * x + (0.5 if k % 2 else -0.5) for k, x in enumerate(xs)]
+    fit = least_squares([ones, xs], noisy)
+    assert fit is not None
+    mean = sum(xs) / len(xs)
+    resid = [y - fit[0][0] - fit[0][1] * x for x, y in zip(xs, noisy, strict=True)]
+    slope_se = (sum(e * e for e in resid) / 10 / sum((x - mean) ** 2 for x in xs)) ** 0.5
+    assert fit[1][1] == pytest.approx(slope_se, rel=1e-9)
+    assert least_squares([ones, [2.0] * 12], noisy) is None
+    assert least_squares([ones[:2], xs[:2]], noisy[:2]) is None
