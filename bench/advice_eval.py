@@ -46,15 +46,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.pool import replay_pool
 from exporter.config import Config
 from exporter.model.derive.engines import CostBefore
 from exporter.replay import Step, replay_one
@@ -458,9 +457,7 @@ def _evaluate(root: Path, interval: float, full: bool = True) -> list[RunEval]:
     without = [r for r in runs if _offload_bytes(metas[r.name]) is None]
     with_ = [r for r in runs if _offload_bytes(metas[r.name]) is not None]
     bases = {r.name: matrixkit.base_run(metas, r.name) for r in with_}
-    # spawn, not fork: the caller may be a test process with threads of its own.
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=_workers(), mp_context=ctx) as pool:
+    with replay_pool(_workers()) as pool:
         # Runs without offload first: an offload run's replay after its base takes its fits.
         done = dict(
             zip(

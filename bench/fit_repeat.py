@@ -28,12 +28,12 @@ import os
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from bench.advice_eval import MATRIX, _requests
 from bench.common import markdown_table, recording_metas, recordings_main
+from bench.pool import replay_pool
 from exporter.config import Config
 from exporter.replay import replay_one
 
@@ -88,7 +88,7 @@ def _apart(a: float | None, b: float | None) -> float | None:
 def table(root: Path, runs: Sequence[str]) -> dict[str, Any]:
     pairs = replicate_pairs(root, runs)
     names = sorted({n for p in pairs for n in p})
-    with ProcessPoolExecutor(max_workers=min(len(names), os.cpu_count() or 1) or 1) as pool:
+    with replay_pool(min(len(names), os.cpu_count() or 1)) as pool:
         got = dict(zip(names, pool.map(prices, [root / n for n in names]), strict=True))
     rows: dict[str, Any] = {}
     for x, y in pairs:

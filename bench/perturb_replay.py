@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import json
 import lzma
-import multiprocessing
 import random
 import shutil
 import tempfile
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.advice_eval import MATRIX, Truths
 from bench.common import markdown_table, recording_metas, recordings_parser
+from bench.pool import replay_pool
 from exporter.config import Config
 from exporter.recording import KV_EVENTS, METRICS, open_text
 from exporter.replay import replay_one
@@ -104,8 +103,7 @@ def evaluate(
             (r, MODES[2], KV_EVENTS, drop_events, seed),
         )
     ]
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with replay_pool(workers) as pool:
         done = list(pool.map(_replay, jobs))
     truths = Truths(root)
     out = []

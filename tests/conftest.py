@@ -77,6 +77,7 @@ VLLM_MODULES = frozenset(
         "tests/integration/test_compose_stack.py",
         "tests/integration/test_dashboard_queries.py",
         "tests/integration/test_kv_events_real.py",
+        "tests/integration/test_matrix_client_real.py",
         "tests/integration/test_real_vllm.py",
         "tests/test_demo.py",
         "tests/test_deploy.py",

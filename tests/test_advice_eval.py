@@ -9,6 +9,7 @@ import lzma
 import os
 import re
 import shutil
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,11 @@ def test_the_held_out_shape_is_judged_like_the_matrix(evals) -> None:  # type: i
     so the sizes up to 16 GiB say no_action again, and only the default sizes reach the size
     that pays. Since session 26 the prediction counts the engine's queue, 3.7 % there, but an
     enable must pay without it (1.9 %), and the explanation says both."""
-    held = {e.run: e for e in evals if e.run in held_out() and "-concurrent-" not in e.run}
+    held = {
+        e.run: e
+        for e in evals
+        if e.run in held_out() and "-concurrent-" not in e.run and "-bursts-" not in e.run
+    }
     assert len(held) == 6 and all(run.startswith("qwen3-14b-") for run in held)
     assert "Held out (`bench/gpu/scenarios/holdout.json`" in markdown(evals)
     rag = MATRIX / "qwen3-14b-rag-zipf-none"
@@ -234,8 +239,8 @@ def test_the_bursts_on_shapes_held_out_test_the_launch_a_load_adds(evals) -> Non
     control, told no_action, agrees too; its prediction there (-0.046 for +0.008) counts as
     within since session 35 only because batches 31 and 32 widened the family's band to 23.5 %.
     Those two batches are judged in their own test (ONE_HOST), batch 33 in its (GRAPHS_ALONE),
-    batch 34 in its (EAGER_ALONE), batch 35 in its (GRAPHS8_ALONE) and batch 36 in its
-    (EAGER8_ALONE)."""
+    batch 34 in its (EAGER_ALONE), batch 35 in its (GRAPHS8_ALONE), batch 36 in its
+    (EAGER8_ALONE) and batch 37 in its (PROBED)."""
     held = {
         e.run: e
         for e in evals
@@ -246,6 +251,7 @@ def test_the_bursts_on_shapes_held_out_test_the_launch_a_load_adds(evals) -> Non
         and not EAGER_ALONE.search(e.run)
         and not GRAPHS8_ALONE.search(e.run)
         and not EAGER8_ALONE.search(e.run)
+        and not PROBED.search(e.run)
     }
     shapes = ("qwen3-1.7b", "qwen3-4b", "qwen3-14b")
     loops = {
@@ -297,12 +303,14 @@ def test_the_bursts_on_shapes_held_out_test_the_launch_a_load_adds(evals) -> Non
 
 # Batches 31 and 32: 4B's eager bursts again, on one host; batch 33: the same with CUDA graphs,
 # each server alone; batch 34: eager again, each server alone; batch 35: 8B's bursts with CUDA
-# graphs, each server alone; batch 36: 8B's eager bursts, each server alone.
+# graphs, each server alone; batch 36: 8B's eager bursts, each server alone; batch 37: 4B's
+# eager bursts again, each server alone, the host timed around every run.
 ONE_HOST = re.compile(r"^qwen3-4b-concurrent-(none|cpu64k|cpu16g)-rep2?$")
 GRAPHS_ALONE = re.compile(r"^qwen3-4b-concurrent-graphs-")
 EAGER_ALONE = re.compile(r"^qwen3-4b-concurrent-(none|cpu16g)-alone2?$")
 GRAPHS8_ALONE = re.compile(r"^qwen3-8b-concurrent-graphs-(none|cpu16g)-alone2?$")
 EAGER8_ALONE = re.compile(r"^qwen3-8b-concurrent-(none|cpu16g)-alone2?$")
+PROBED = re.compile(r"^qwen3-4b-concurrent-(none|cpu16g)-probe2?$")
 
 
 def test_4b_bursts_on_one_host_cost_what_their_run_with_the_tier_did_not_show_before(evals) -> None:  # type: ignore[no-untyped-def]
@@ -315,12 +323,13 @@ def test_4b_bursts_on_one_host_cost_what_their_run_with_the_tier_did_not_show_be
     difference of two runs of the same work on one machine) is the 9 GiB replicate's, above
     20 %, and each truth below is judged in it. What moved with the cost is the time every
     engine step takes with the tier on (the step log's fixed time, `bench.burst_steps`):
-    over the eight eager 4B pairs, batches 29, 30 and 34 included, it orders the costs but
-    for three neighbours' swaps (Spearman's rho 0.905). The run without offload cannot show
-    it: both runs without offload here are told to enable 16 GiB (predicted +0.046 and
-    +0.066 s/s); the first is neutral in the band, the second costs 38.8 %: the one harmful
-    advice of the matrix (test_no_advice_is_harmful). Every offload run, replayed after its
-    run without offload, turns offload off where it costs; none of them is harmful."""
+    over the eight eager 4B pairs of batches 29 to 34 it ordered the costs but for three
+    neighbours' swaps (Spearman's rho 0.905), over the ten with batch 37's 0.891. The run
+    without offload cannot show it: both runs without offload here are told to enable 16
+    GiB (predicted +0.046 and +0.066 s/s); the first is neutral in the band, the second
+    costs 38.8 %: the one harmful advice of the matrix (test_no_advice_is_harmful). Every
+    offload run, replayed after its run without offload, turns offload off where it costs;
+    none of them is harmful."""
     runs = {e.run: e for e in evals if ONE_HOST.search(e.run)}
     names = {
         f"qwen3-4b-concurrent-{t}-{r}"
@@ -383,7 +392,7 @@ def test_4b_bursts_on_one_host_cost_what_their_run_with_the_tier_did_not_show_be
     }
     keys = sorted(fixed)
     rho = burst_steps.rank_correlation([fixed[k] for k in keys], [cost[k] for k in keys])
-    assert len(fixed) == 8 and rho is not None and rho > 0.9
+    assert len(fixed) == 10 and rho is not None and rho > 0.85
 
 
 def test_4b_bursts_with_cuda_graphs_each_server_alone_never_cost(evals) -> None:  # type: ignore[no-untyped-def]
@@ -642,6 +651,85 @@ def test_8b_eager_bursts_alone_pay_as_far_as_the_step_that_loads_lets_them(evals
         ), n
 
 
+def test_4b_eager_bursts_on_a_host_that_steps_fast_do_not_cost(evals) -> None:  # type: ignore[no-untyped-def]
+    """Batch 37 (holdout.json's `-probe`, `-probe2`, session 44, one H100 host, each server
+    alone): batch 34's eager 4B bursts again, without offload and with 16 GiB, twice,
+    interleaved, the driver timing the host's own kernel launch and Python loop before and
+    after every run's traffic (meta.json's `host_probe`). Staged to tell whether the host's
+    speed moves as the engine's step submission does, which ordered what the eager tier cost
+    4B. The host held still over the batch (every launch within a tenth of the batch's
+    median: no core taken, where session 43 saw busy cores double it), its two runs without
+    offload ended closer than batch 34's, and its engine handed a step over
+    faster than in any other eager 4B run. There 16 GiB did not cost: both pairs below the
+    flat 3 % and below every eager 4B 16 GiB pair elsewhere whose tier run stepped no faster
+    than its base. So the eager tier's cost is not the tier's alone: it is paid in the time
+    each added step takes, which the host sets. Both runs without offload are told to enable
+    16 GiB and predict more than measured, within by the family's band; every run agrees,
+    none is harmful, and after its run without offload the pair that saved nothing turns
+    offload off while the one that paid keeps."""
+    runs = {e.run: e for e in evals if PROBED.search(e.run)}
+    names = {f"qwen3-4b-concurrent-{t}-probe{r}" for t in ("none", "cpu16g") for r in ("", "2")}
+    assert set(runs) == names and names <= held_out()
+    metas = {n: _meta(MATRIX / n) for n in names}
+    assert len({m["gpu"]["uuid"] for m in metas.values()}) == 1
+    assert all("--enforce-eager" in m["vllm_argv"] for m in metas.values())
+    launches = [
+        m["host_probe"][k]["launch_us"] for m in metas.values() for k in ("before", "after")
+    ]
+    middle = statistics.median(launches)
+    assert len(launches) == 8 and all(abs(x / middle - 1) < 0.1 for x in launches)
+    records = {n: _requests(MATRIX / n) for n in names}
+    base, other = "qwen3-4b-concurrent-none-probe", "qwen3-4b-concurrent-none-probe2"
+    apart = abs(matrixkit.paired_truth(records[base], records[other])["relative_change"])
+    alone = {e.run: _requests(MATRIX / e.run) for e in evals if EAGER_ALONE.search(e.run)}
+    alone_apart = abs(
+        matrixkit.paired_truth(
+            alone["qwen3-4b-concurrent-none-alone"], alone["qwen3-4b-concurrent-none-alone2"]
+        )["relative_change"]
+    )
+    assert apart < alone_apart
+    # Every eager 4B step-logged pair, this batch's and the other hosts'.
+    rows = {
+        on: r
+        for on, r in burst_steps.table(MATRIX).items()
+        if r["shape"] == "qwen3-4b" and r["eager"] and "engine" in r
+    }
+    sub = {
+        n: r["engine"][side]["submission"]["median_ms"]
+        for on, r in rows.items()
+        for side, n in (("base", r["base"]), ("offload", on))
+    }
+    here = {n for n in sub if n in names}
+    assert len(here) >= 3 and max(sub[n] for n in here) < min(
+        v for n, v in sub.items() if n not in names
+    )
+    cost = {on: r["summed_ttft_change"] for on, r in rows.items()}
+    probed = {on for on in rows if on in names}
+    assert len(probed) == 2 and max(cost[on] for on in probed) < matrixkit.TRUTH_THRESHOLD
+    no_faster = [
+        on
+        for on, r in rows.items()
+        if on not in names and "-cpu16g" in on and sub[on] >= sub[r["base"]]
+    ]
+    assert len(no_faster) >= 3 and max(cost[on] for on in probed) < min(
+        cost[on] for on in no_faster
+    )
+    band = matrixkit.family_noise(
+        {n: _meta(MATRIX / n) for n in alone | names}, {**alone, **records}
+    )["qwen3-4b-concurrent-eager"]
+    for n, e in runs.items():
+        assert e.verified and e.agrees and not e.harmful, n
+        assert e.threshold >= band["relative_difference"], n
+        if e.offload_bytes is not None:
+            assert e.action == "keep" and e.after is not None and not e.after.harmful, n
+            pays = matrixkit.verdict(cost[n], matrixkit.TRUTH_THRESHOLD) == "pays"
+            assert e.after.action == ("keep" if pays else "disable_offload"), n
+            continue
+        assert (e.action, e.recommended_bytes) == ("enable_offload", 16 * GIB), n
+        at16 = next(p for p in e.predictions if p.size_bytes == 16 * GIB)
+        assert at16.predicted is not None and at16.ok and at16.predicted > at16.measured, n
+
+
 def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untyped-def]
     """80 % of the runs reach a decision within 5 minutes of traffic (issue 16)."""
     s = summary(evals)
@@ -882,14 +970,16 @@ def test_a_launch_bound_engines_bursts_are_charged_the_launch_a_load_adds(evals)
 
 
 @unmet_goal(
-    "20 of 89 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
+    "20 of 91 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
     "session 28's two, 32B chat at 24 GiB (+0.940 for +1.024) and 32B unique prompts at "
     "1 request/s (-0.009 for -0.002), session 29's three, 14B and 8B unique prompts on an "
     "H100 host (-0.022 for -0.004, -0.005 and -0.005 for -0.001), session 30's 8B unique "
     "prompts at 4 requests/s again (-0.021 for -0.012) and session 40's two, batch 35's 8B "
     "bursts with CUDA graphs each server alone (+0.123 for +0.157, +0.129 for +0.168), and "
     "session 41's two, batch 36's eager 8B bursts each server alone (+0.117 for +0.028, "
-    "+0.121 for +0.077, both high, in only by the 16.7 % band their two 16 GiB runs set), are "
+    "+0.121 for +0.077, both high, in only by the 16.7 % band their two 16 GiB runs set), and "
+    "session 44's two, batch 37's eager 4B bursts on a host whose steps submit fastest "
+    "(+0.035 for +0.009, +0.037 for +0.001, high, in by the family's band), are "
     "within; session 30's eager 8B "
     "bursts' 16 GiB pair again missed until that band (+0.101 for +0.046: a request that "
     "loaded saved itself nothing, eager, where with CUDA graphs each saved 9-46 ms); "

@@ -725,7 +725,38 @@ def test_matrix_scenarios_are_data() -> None:
     # twice, each server alone (`-alone`, `-alone2`): batch 33 without its CUDA graphs; batch
     # 36 (staged in session 40) the same on 8B: batch 35 without its CUDA graphs. Batch 37
     # (staged in session 42, `-probe`, `-probe2`): batch 34's four again, the host timed too.
-    logged = {n for n, s in SCENARIOS.items() if s.step_log and n not in steps + four + alone8}
+    # Batch 38 (staged in session 44, `bursts-decode`): batch 37's pair, each request decoding
+    # 32 tokens, its own pair family: the same prompts at the same times, streamed; its run
+    # without offload again (`-none-probe2`), the first having been recorded alone.
+    decode = [n for n in SCENARIOS if SCENARIOS[n].workload.name == "bursts-decode"]
+    assert decode == [
+        "qwen3-4b-bursts-decode-none-probe",
+        "qwen3-4b-bursts-decode-cpu16g-probe",
+        "qwen3-4b-bursts-decode-none-probe2",
+    ]
+    assert set(decode) <= set(mk.load_scenarios(files=("holdout.json",)))
+    bursts4 = SCENARIOS["qwen3-4b-concurrent-cpu16g-probe"]
+    for n in decode:
+        sc = SCENARIOS[n]
+        assert (
+            sc.step_log
+            and sc.vllm_args == bursts4.vllm_args
+            and sc.offload
+            in (
+                None,
+                bursts4.offload,
+            )
+        )
+        assert sc.pair != bursts4.pair and sc.workload.max_tokens == 32
+        assert (sc.workload.generator, sc.workload.params, sc.workload.seed) == (
+            bursts4.workload.generator,
+            bursts4.workload.params,
+            bursts4.workload.seed,
+        )
+        assert [r.prompt for r in mk.generate(sc)] == [r.prompt for r in mk.generate(bursts4)]
+    logged = {
+        n for n, s in SCENARIOS.items() if s.step_log and n not in steps + four + alone8 + decode
+    }
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
     again = (
         {
@@ -1244,6 +1275,56 @@ def test_matrix_client_resends_on_a_connection_the_server_closed() -> None:
         )
         assert unsent == [] and all(r["status"] == 200 for r in recs)
         assert len(recs) == 6 and any(r.get("retried") for r in recs)
+    finally:
+        server.shutdown()
+
+
+class _BrokenStreamVllm(_FakeVllm):
+    """A stream that begins 200 and then carries an error, or ends without a token: what a
+    vLLM that fails a request mid-generation sends (the real server's streams are tested in
+    tests/integration/test_matrix_client_real.py)."""
+
+    protocol_version = "HTTP/1.1"
+    events: ClassVar[list[bytes]] = []
+
+    def do_POST(self) -> None:
+        n = int(self.headers["Content-Length"])
+        assert json.loads(self.rfile.read(n))["stream"] is True
+        body = b"".join(b"data: " + e + b"\n\n" for e in self.events)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize(
+    ("events", "error"),
+    [
+        ([b'{"id": "c1", "error": {"message": "boom"}}', b"[DONE]"], "boom"),
+        ([b'{"id": "c1", "choices": [], "usage": {"prompt_tokens": 3}}', b"[DONE]"], "without"),
+        ([b"not json", b"[DONE]"], "not json"),
+    ],
+)
+def test_a_broken_stream_is_not_a_served_request(events: list[bytes], error: str) -> None:
+    _BrokenStreamVllm.events = events
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BrokenStreamVllm)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        recs, unsent = matrix.drive(
+            server.server_address[1],
+            "m",
+            [mk.Req(0, 0.0, (1, 2, 3))],
+            max_inflight=1,
+            max_tokens=4,
+            t0=time.time(),
+            hard_stop=time.time() + 60,
+            timeout=10,
+        )
+        (rec,) = recs
+        assert unsent == [] and rec["status"] is None and error in rec["error"]
+        assert "t_first" not in rec
+        assert mk._ok(recs) == {}
     finally:
         server.shutdown()
 

@@ -7,7 +7,9 @@ max_inflight requests in flight, recorded as a replayable directory per run:
     kv_events.jsonl.xz  {"topic", "seq", "payload": [ts, [event maps], dp_rank]}, ints as hashes
                         (unpack/compact: token ids zeroed where "block_ids" name the blocks)
     requests.jsonl.xz   one line per request: i, id, slot, t_sched, t_send, t_end, ttft_s,
-                        status, prompt_tokens, cached_tokens, sent_tokens, tags
+                        status, prompt_tokens, cached_tokens, sent_tokens, tags (a workload
+                        of more than one token a request is streamed: t_first, and ttft_s
+                        ends there; meta.json's traffic.ttft_definition)
     meta.json           vllm_argv, link_bandwidth_bytes_per_second, kv_bytes_per_token, the
                         scenario, the GPU, versions, the traffic window, recorder statistics,
                         model_weight_bytes (from vLLM's log)
@@ -94,7 +96,13 @@ def write_json(path: Path, obj: Any) -> None:
 
 def post_completion(
     conn: http.client.HTTPConnection, model: str, prompt: Sequence[int], max_tokens: int
-) -> tuple[int, dict[str, Any] | None, str | None]:
+) -> tuple[int | None, dict[str, Any] | None, str | None, float | None]:
+    """(status, body, error, t_first). A request of one token is not streamed: its response
+    is its first token. One of more is streamed, so that its first token is timed apart from
+    its decode (t_first: when the first chunk with a choice arrived; body: the id and the
+    usage of the final chunk, cached tokens included; status None where a stream that began
+    200 carried an error or no token, so that the request is not counted as served)."""
+    stream = max_tokens > 1
     body = json.dumps(
         {
             "model": model,
@@ -102,17 +110,54 @@ def post_completion(
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
+            **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
         }
     ).encode()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
-    data = resp.read()
-    try:
-        parsed = json.loads(data)
-    except json.JSONDecodeError:
-        return resp.status, None, data[:300].decode(errors="replace")
-    err = None if resp.status == 200 else data[:300].decode(errors="replace")
-    return resp.status, parsed if isinstance(parsed, dict) else None, err
+    if not stream or resp.status != 200:
+        data = resp.read()
+        try:
+            parsed = json.loads(data)
+        except json.JSONDecodeError:
+            return resp.status, None, data[:300].decode(errors="replace"), None
+        err = None if resp.status == 200 else data[:300].decode(errors="replace")
+        return resp.status, parsed if isinstance(parsed, dict) else None, err, None
+    return _read_stream(resp)
+
+
+def _read_stream(
+    resp: http.client.HTTPResponse,
+) -> tuple[int | None, dict[str, Any] | None, str | None, float | None]:
+    """Server-sent events of a streamed completion, read to the end so that the connection
+    can be kept alive."""
+    t_first: float | None = None
+    out: dict[str, Any] = {}
+    err: str | None = None
+    while line := resp.readline():
+        text = line.strip()
+        if not text.startswith(b"data:"):
+            continue
+        data = text[5:].strip()
+        if data == b"[DONE]":
+            continue
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            err = err or data[:300].decode(errors="replace")
+            continue
+        if not isinstance(chunk, dict):
+            continue
+        if "error" in chunk:
+            err = err or json.dumps(chunk["error"])[:300]
+        if chunk.get("choices") and t_first is None:
+            t_first = time.time()
+        out.setdefault("id", chunk.get("id"))
+        if chunk.get("usage"):
+            out["usage"] = chunk["usage"]
+    if err is None and t_first is None:
+        err = "stream ended without a token"
+    return (resp.status if err is None else None), out or None, err, t_first
 
 
 def drive(
@@ -146,6 +191,7 @@ def drive(
             status: int | None = None
             body: dict[str, Any] | None = None
             err: str | None = None
+            t_first: float | None = None
             retried = False
             for attempt in (0, 1):
                 t_send = time.time()
@@ -153,7 +199,9 @@ def drive(
                 try:
                     if conn is None:
                         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-                    status, body, err = post_completion(conn, model, req.prompt, max_tokens)
+                    status, body, err, t_first = post_completion(
+                        conn, model, req.prompt, max_tokens
+                    )
                     break
                 except (OSError, http.client.HTTPException) as exc:
                     err = f"{type(exc).__name__}: {exc}"
@@ -177,6 +225,7 @@ def drive(
                 status=status,
                 body=body,
                 error=err,
+                t_first=t_first,
             )
             if retried:
                 rec["retried"] = True
@@ -625,7 +674,7 @@ class Driver:
         for k, prompt in enumerate(mk.warmup_prompts(sc)):
             t = time.time()
             try:
-                status, _, err = post_completion(conn, sc.shape.served_name, prompt, 1)
+                status, _, err, _ = post_completion(conn, sc.shape.served_name, prompt, 1)
             except (OSError, http.client.HTTPException) as exc:
                 status, err = None, str(exc)
             warm.append({"k": k, "status": status, "s": round(time.time() - t, 4), "error": err})
@@ -738,8 +787,7 @@ class Driver:
                 "sent_requests": len(records),
                 "unsent_requests": len(unsent),
                 "first_unsent_i": unsent[0] if unsent else None,
-                "ttft_definition": "non-streamed completion with max_tokens "
-                f"{sc.workload.max_tokens}: t_end - t_send",
+                "ttft_definition": mk.ttft_definition(sc.workload.max_tokens),
             },
             "totals": dict(totals),
             "kv_recorder": kv_stats,

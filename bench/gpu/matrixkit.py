@@ -871,6 +871,13 @@ def restore_token_ids(record: Mapping[str, Any], blocks: BlockIds) -> dict[str, 
     return doc
 
 
+def ttft_definition(max_tokens: int) -> str:
+    """How a run's requests.jsonl timed TTFT (meta.json's traffic.ttft_definition)."""
+    if max_tokens > 1:
+        return f"streamed completion with max_tokens {max_tokens}: t_first - t_send"
+    return "non-streamed completion with max_tokens 1: t_end - t_send"
+
+
 def request_record(
     req: Req,
     *,
@@ -881,19 +888,23 @@ def request_record(
     status: int | None,
     body: Mapping[str, Any] | None,
     error: str | None = None,
+    t_first: float | None = None,
 ) -> dict[str, Any]:
-    """One line of requests.jsonl: max_tokens is 1 unless the workload says otherwise, and the
-    request is not streamed, so its TTFT is the end-to-end latency (send to response)."""
+    """One line of requests.jsonl (ttft_definition says how its TTFT was timed). A streamed
+    request (max_tokens above 1) carries `t_first`, its first token's arrival, and its TTFT
+    ends there; one that was not ends at its response."""
     usage = (body or {}).get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
+    first = t_end if t_first is None else t_first
     return {
         "i": req.i,
         "id": (body or {}).get("id"),
         "slot": slot,
         "t_sched": round(t_sched, 6),
         "t_send": round(t_send, 6),
+        **({"t_first": round(t_first, 6)} if t_first is not None else {}),
         "t_end": round(t_end, 6),
-        "ttft_s": round(t_end - t_send, 6),
+        "ttft_s": round(first - t_send, 6),
         "status": status,
         "prompt_tokens": usage.get("prompt_tokens", len(req.prompt)),
         "cached_tokens": details.get("cached_tokens"),
