@@ -116,9 +116,6 @@ class VllmServer:
             "--max-num-seqs",
             "4",
             "--enforce-eager",
-            # The GPU matrix's servers report cached tokens per request; its client's test
-            # (tests/integration/test_matrix_client_real.py) reads them here.
-            "--enable-prompt-tokens-details",
         ]
         if self.kv_events_endpoint:
             cfg: dict[str, object] = {

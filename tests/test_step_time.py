@@ -28,6 +28,12 @@ def test_vllms_inter_token_latency_times_the_step_the_step_log_does() -> None:
     assert itl["tokens"] == len(served) * 31 == client["requests"] * 31
     assert itl["mean_ms"] == pytest.approx(client["mean_ms"], rel=0.05)
     assert steps["median_ms"] == pytest.approx(client["median_ms"], rel=0.05)
+    # The streamed usage carried vLLM's cached tokens (the truth pairs runs by them): about
+    # as many as the same prompts found cached without decoding (batch 37).
+    one = sum(r["cached_tokens"] for r in _requests(MATRIX / "qwen3-4b-concurrent-none-probe"))
+    cached = sum(r["cached_tokens"] for r in served)
+    assert all(r["cached_tokens"] is not None for r in served)
+    assert cached == pytest.approx(one, rel=0.05)
     # A streamed request's TTFT ends at its first token, before its decode.
     assert all(r["t_send"] < r["t_first"] < r["t_end"] for r in served)
     assert all(r["ttft_s"] == pytest.approx(r["t_first"] - r["t_send"], abs=2e-6) for r in served)
