@@ -24,8 +24,6 @@ exporter has (the inter-token latency) is that step time.
 from __future__ import annotations
 
 import itertools
-import json
-import re
 import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import markdown_table, recording_metas, recordings_main
-from exporter.recording import METRICS, open_text
+from exporter import expfmt
+from exporter.recording import read_scrapes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import gpukit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
@@ -45,28 +44,21 @@ ITL = "vllm:inter_token_latency_seconds"
 GAP_S = 0.2
 
 
-def _sample_sum(body: str, name: str) -> float:
+def _total(body: str, name: str) -> float:
     """The sum of `name`'s samples over every label set (one per engine)."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", re.MULTILINE)
-    return sum(float(m.group(1)) for m in pattern.finditer(body))
+    return sum(x.value for x in expfmt.parse(body, (name,)))
 
 
 def inter_token(run: Path) -> dict[str, float] | None:
-    """vLLM's inter-token latency over the recording: tokens and mean ms; None where no
+    """vLLM's inter-token latency over the recording (exporter.recording.read_scrapes, which
+    names what is wrong with a recording it cannot read): tokens and mean ms; None where no
     request decoded a second token."""
-    path = next((p for p in (run / METRICS, run / (METRICS + ".xz")) if p.is_file()), None)
-    if path is None:
+    bodies = [x.body for x in read_scrapes(run) if x.body is not None]
+    if not bodies:
         return None
-    first = last = None
-    with open_text(path) as fh:
-        for line in fh:
-            body = json.loads(line)["body"]
-            first = body if first is None else first
-            last = body
-    if first is None or last is None:
-        return None
-    n = _sample_sum(last, ITL + "_count") - _sample_sum(first, ITL + "_count")
-    s = _sample_sum(last, ITL + "_sum") - _sample_sum(first, ITL + "_sum")
+    first, last = bodies[0], bodies[-1]
+    n = _total(last, ITL + "_count") - _total(first, ITL + "_count")
+    s = _total(last, ITL + "_sum") - _total(first, ITL + "_sum")
     return {"tokens": n, "mean_ms": round(1000 * s / n, 2)} if n > 0 else None
 
 
@@ -79,13 +71,7 @@ def decode_steps(lines: Iterable[Mapping[str, Any]]) -> dict[str, float] | None:
         for a, b in itertools.pairwise(steps)
         if a.get("r") and all(v == 1 for v in a["r"].values()) and 0 < b["t0"] - a["t0"] < GAP_S
     ]
-    if not gaps:
-        return None
-    return {
-        "steps": len(gaps),
-        "median_ms": round(statistics.median(gaps), 2),
-        "mean_ms": round(statistics.fmean(gaps), 2),
-    }
+    return _summary("steps", gaps)
 
 
 def client_tokens(run: Path, max_tokens: int) -> dict[str, float] | None:
@@ -97,12 +83,17 @@ def client_tokens(run: Path, max_tokens: int) -> dict[str, float] | None:
         for r in gpukit.iter_jsonl(run / "requests.jsonl.xz")
         if r.get("status") == 200 and r.get("t_first") is not None
     ]
-    if not per:
+    return _summary("requests", per)
+
+
+def _summary(counted: str, ms: Sequence[float]) -> dict[str, float] | None:
+    """How many, and their median and mean ms; None for none."""
+    if not ms:
         return None
     return {
-        "requests": len(per),
-        "median_ms": round(statistics.median(per), 2),
-        "mean_ms": round(statistics.fmean(per), 2),
+        counted: len(ms),
+        "median_ms": round(statistics.median(ms), 2),
+        "mean_ms": round(statistics.fmean(ms), 2),
     }
 
 

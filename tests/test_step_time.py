@@ -10,6 +10,7 @@ import pytest
 
 from bench import step_time
 from bench.advice_eval import MATRIX, _meta, _requests
+from exporter.recording import RecordingError
 
 RUN = "qwen3-4b-bursts-decode-none-probe"
 
@@ -60,4 +61,5 @@ def test_decode_steps_skip_the_idle_gaps_and_steps_that_prefill(tmp_path: Path) 
     ]
     assert step_time.decode_steps(lines) == {"steps": 3, "median_ms": 20.0, "mean_ms": 20.0}
     assert step_time.decode_steps(lines[:1]) is None
-    assert step_time.inter_token(tmp_path) is None
+    with pytest.raises(RecordingError, match=r"no metrics\.jsonl"):
+        step_time.inter_token(tmp_path)
