@@ -307,13 +307,15 @@ def host_probe(run: Path) -> dict[str, float | None] | None:
 
 
 def burst_pairs(root: Path, names: Sequence[str] = ()) -> dict[str, str]:
-    """Every offload run of the bursts (`concurrent`) under `root` (or of `names`) whose
+    """Every offload run of the bursts (generator `concurrent`) under `root` (or of `names`) whose
     pair has a run without offload on its machine: that run (matrixkit.base_run)."""
     metas = recording_metas(root, names)
     out: dict[str, str] = {}
     for name in names or sorted(metas):
         meta = metas[name]
-        if not meta.get("offload") or (meta.get("workload") or {}).get("name") != "concurrent":
+        # The generator, not the workload's name: `bursts-decode` is the same bursts with
+        # tokens decoded after each prompt.
+        if not meta.get("offload") or (meta.get("workload") or {}).get("generator") != "concurrent":
             continue
         base = matrixkit.base_run(metas, name)
         if base is not None:
@@ -331,6 +333,9 @@ def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str,
             "base": base,
             "shape": (metas[name].get("shape") or {}).get("name"),
             "eager": "--enforce-eager" in (metas[name].get("vllm_argv") or ()),
+            # Tokens each request decoded (`bursts-decode`: 32): its steps are then shared
+            # with the decode of every running request.
+            "max_tokens": int((metas[name].get("workload") or {}).get("max_tokens") or 1),
             **event_steps(root / base, root / name),
         }
         logs = [root / n / "steps.jsonl.xz" for n in (base, name)]
@@ -390,9 +395,10 @@ def first_step_order(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def submission_order(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per shape and engine (eager or CUDA graphs) with step-logged pairs: how well the tier
-    run's submission against its base's (the ratio of their `submission` medians less one)
-    orders the pairs' summed TTFT change (docs/whatif.md, "What a step's submission says")."""
+    """Per shape and engine (eager or CUDA graphs), and apart where the requests decoded,
+    with step-logged pairs: how well the tier run's submission against its base's (the ratio
+    of their `submission` medians less one) orders the pairs' summed TTFT change
+    (docs/whatif.md, "What a step's submission says")."""
     groups: dict[str, tuple[list[float], list[float]]] = {}
     for r in rows.values():
         change = r.get("summed_ttft_change")
@@ -400,7 +406,9 @@ def submission_order(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[st
             continue
         base, tier = (r["engine"][k]["submission"]["median_ms"] for k in ("base", "offload"))
         if base and tier is not None:
-            key = f"{r.get('shape')} {'eager' if r.get('eager') else 'graphs'}"
+            key = f"{r.get('shape')} {'eager' if r.get('eager') else 'graphs'}" + (
+                " decode" if r.get("max_tokens", 1) > 1 else ""
+            )
             xs, ys = groups.setdefault(key, ([], []))
             xs.append(tier / base - 1)
             ys.append(change)

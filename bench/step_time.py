@@ -100,7 +100,9 @@ def _summary(counted: str, ms: Sequence[float]) -> dict[str, float] | None:
 def table(root: Path = DECODE, names: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """One row per recording under `root` (or of `names`) whose requests decoded."""
     out: dict[str, dict[str, Any]] = {}
-    for name, meta in recording_metas(root, names).items():
+    metas = recording_metas(root, names)
+    for name in names or sorted(metas):
+        meta = metas[name]
         max_tokens = int((meta.get("workload") or {}).get("max_tokens") or 1)
         if max_tokens < 2:
             continue

@@ -130,6 +130,9 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity(
         "computed_requests", "counter", (_c("vllm:request_prefill_kv_computed_tokens_count"),)
     ),
+    # The gap between a request's output tokens: while requests decode, one engine step.
+    Quantity("itl_seconds", "counter", (_c("vllm:inter_token_latency_seconds_sum"),)),
+    Quantity("itl_gaps", "counter", (_c("vllm:inter_token_latency_seconds_count"),)),
     Quantity("ttft_seconds", "counter", (_c("vllm:time_to_first_token_seconds_sum"),)),
     Quantity("ttft_requests", "counter", (_c("vllm:time_to_first_token_seconds_count"),)),
     Quantity("preemptions", "counter", (_c("vllm:num_preemptions_total"),)),
@@ -288,6 +291,9 @@ SERIES: Mapping[str, Series] = MappingProxyType(
         "vllm:generation_tokens_total": Series("counter", "generated tokens"),
         "vllm:request_success_total": Series("counter", "finished requests by reason"),
         "vllm:time_to_first_token_seconds": Series("histogram", "TTFT"),
+        "vllm:inter_token_latency_seconds": Series(
+            "histogram", "gap between a request's output tokens"
+        ),
         "vllm:e2e_request_latency_seconds": Series("histogram", "end-to-end latency"),
         "vllm:request_prefill_time_seconds": Series("histogram", "prefill time"),
         "vllm:request_prefill_kv_computed_tokens": Series(

@@ -227,9 +227,12 @@ def test_on_the_eager_4b_bursts_the_hosts_speed_orders_what_the_tier_cost(
     submit faster than their bases (a loader's suffix step replays a graph)."""
     rows = every_pair
     eager4 = {n: r for n, r in rows.items() if r["shape"] == "qwen3-4b" and r["eager"]}
-    logged = {n: r for n, r in eager4.items() if "engine" in r}
+    logged = {n: r for n, r in eager4.items() if "engine" in r and r["max_tokens"] == 1}
     (key, order), *others = burst_steps.submission_order(logged).items()
     assert key == "qwen3-4b eager" and not others and order["pairs"] == len(logged) >= 8
+    decoding = {n: r for n, r in eager4.items() if r["max_tokens"] > 1}
+    assert list(burst_steps.submission_order(eager4)) == ["qwen3-4b eager", "qwen3-4b eager decode"]
+    assert decoding and all("-decode-" in n for n in decoding)
     assert order["rho"] > 0.8
 
     def ratio(r: dict[str, Any]) -> float:

@@ -614,7 +614,10 @@ def test_matrix_scenarios_are_data() -> None:
     workloads = {s.workload.name for s in SCENARIOS.values()}
     assert shapes == {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}
     assert {"rag-zipf", "chat", "unique", "long-context", "concurrent"} <= workloads
-    graphs = [n for n in SCENARIOS if "-graphs-" in n]
+    # With CUDA graphs, each beside its eager twin (batch 39's decoding bursts apart, below).
+    graphs = [
+        n for n in SCENARIOS if "-graphs-" in n and SCENARIOS[n].workload.name != "bursts-decode"
+    ]
     idle = [n for n in SCENARIOS if "-unique-idle-" in n]
     # stores.json (batch 23, staged in session 28): 14B on the unique prompts, at the
     # matrix's rate and at idle.json's.
@@ -622,7 +625,9 @@ def test_matrix_scenarios_are_data() -> None:
     matrix = [
         n
         for n in SCENARIOS
-        if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k") and n not in graphs + idle + stores
+        if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k")
+        and n not in graphs + idle + stores
+        and SCENARIOS[n].workload.name != "bursts-decode"
     ]
     held_out = [n for n in matrix if SCENARIOS[n].shape.name == "qwen3-14b"]
     bursts = [n for n in matrix if SCENARIOS[n].shape.name in ("qwen3-1.7b", "qwen3-4b")]
@@ -727,27 +732,31 @@ def test_matrix_scenarios_are_data() -> None:
     # (staged in session 42, `-probe`, `-probe2`): batch 34's four again, the host timed too.
     # Batch 38 (staged in session 44, `bursts-decode`): batch 37's pair, each request decoding
     # 32 tokens, its own pair family: the same prompts at the same times, streamed; its run
-    # without offload again (`-none-probe2`), the first having been recorded alone.
+    # without offload again (`-none-probe2`), the first having been recorded alone. Batch 39
+    # (staged in session 45): the same decoding bursts on 8B with CUDA graphs, a pair of its
+    # own, served as batch 35's 8B bursts with graphs were.
     decode = [n for n in SCENARIOS if SCENARIOS[n].workload.name == "bursts-decode"]
     assert decode == [
         "qwen3-4b-bursts-decode-none-probe",
         "qwen3-4b-bursts-decode-cpu16g-probe",
         "qwen3-4b-bursts-decode-none-probe2",
+        "qwen3-8b-bursts-decode-graphs-none",
+        "qwen3-8b-bursts-decode-graphs-cpu16g",
     ]
     assert set(decode) <= set(mk.load_scenarios(files=("holdout.json",)))
     bursts4 = SCENARIOS["qwen3-4b-concurrent-cpu16g-probe"]
+    graphs8 = SCENARIOS["qwen3-8b-concurrent-graphs-cpu16g-alone"]
+    assert SCENARIOS[decode[3]].pair == SCENARIOS[decode[4]].pair != SCENARIOS[decode[0]].pair
     for n in decode:
         sc = SCENARIOS[n]
+        like = graphs8 if "-graphs-" in n else bursts4
         assert (
             sc.step_log
-            and sc.vllm_args == bursts4.vllm_args
-            and sc.offload
-            in (
-                None,
-                bursts4.offload,
-            )
+            and sc.shape == like.shape
+            and sc.vllm_args == like.vllm_args
+            and sc.offload in (None, like.offload)
         )
-        assert sc.pair != bursts4.pair and sc.workload.max_tokens == 32
+        assert sc.pair != like.pair and sc.workload.max_tokens == 32
         assert (sc.workload.generator, sc.workload.params, sc.workload.seed) == (
             bursts4.workload.generator,
             bursts4.workload.params,
@@ -1515,8 +1524,14 @@ def test_matrix_recordings_have_the_replay_format() -> None:
         assert set(first) == {"topic", "seq", "payload"} and len(first["payload"]) == 3
         stored = next(e for e in first["payload"][1] if e.get("type") == "BlockStored")
         assert all(isinstance(h, int) for h in stored["block_hashes"])
-        # compacted (matrix.py compact): the token ids are the sequence's blocks, by block id
-        assert meta[mk.COMPACT_KEY]["identified"] == meta[mk.COMPACT_KEY]["hashes"]
+        # compacted (matrix.py compact): the token ids are the sequence's blocks, by block id;
+        # a block that holds decoded tokens is no block of the sequence and keeps its tokens
+        compact = meta[mk.COMPACT_KEY]
+        if sc.workload.max_tokens == 1:
+            assert compact["identified"] == compact["hashes"]
+        else:
+            unique = meta["workload"]["sequence"]["unique_blocks"]
+            assert unique <= compact["identified"] < compact["hashes"]
         assert not any(stored["token_ids"]) and len(stored["block_ids"]) == len(
             stored["block_hashes"]
         )

@@ -122,3 +122,35 @@ def test_a_decision_is_harmful_only_against_the_opposite_truth() -> None:
     ]
     got = score(js, 1.0)
     assert got["harmful"] == ["a: pays", "b: costs"] and got["agree"] == 1 and got["wait"] == 1
+
+
+def test_a_loads_steps_are_charged_only_where_the_engine_decoded_enough_to_time_a_step() -> None:
+    """balance.decode_step_seconds and the load-step bound, by hand: two steps per load job
+    at the mean inter-token latency, none without gaps enough to time a step; the bound only
+    lowers the share it is asked for, never the balance's estimate."""
+    from exporter.model.derive import balance as b
+    from exporter.model.derive.fits import OffloadFit
+    from tests.helpers import balance_sums
+
+    assert b.decode_step_seconds(None) is None
+    assert b.decode_step_seconds({"itl_seconds": 1.0, "itl_gaps": b.MIN_DECODE_GAPS - 1}) is None
+    assert b.decode_step_seconds({"itl_seconds": 0.0, "itl_gaps": 1000.0}) is None
+    step = b.decode_step_seconds({"itl_seconds": 20.0, "itl_gaps": 1000.0})
+    assert step == pytest.approx(0.02)
+    # a loaded token 50 us cheaper than a computed one, +- 5 us
+    fit = OffloadFit(0.01, 60e-6, 10e-6, 40, 0.9, 5e-6, 2e-6, 2e-6)
+    sums = balance_sums(1e5, 1e5, 0.0, 95.0)
+    plain = b.offload_balance(fit, sums)
+    steps = {"load_ops": 100.0, "itl_seconds": 20.0, "itl_gaps": 1000.0}
+    charged = b.offload_balance(fit, sums, steps=sums | steps)
+    assert plain is not None and charged is not None
+    assert plain.load_step_seconds == 0.0
+    assert charged.load_step_seconds == pytest.approx(b.LOAD_STEPS * 100 * 0.02)
+    assert charged.share() == plain.share() and charged.net_seconds == plain.net_seconds
+    # 5.0 s saved, 1.0 s below at -2 sigma, 4 s of steps: (4.0 - 4.0) / (95 + 0)
+    assert charged.share(-2.0) == pytest.approx(4.0 / 99.0)
+    assert charged.share(-2.0, load_steps=True) == pytest.approx(0.0, abs=1e-12)
+    assert plain.share(-2.0, load_steps=True) == plain.share(-2.0)
+    # too few gaps: no step time, no charge
+    few = b.offload_balance(fit, sums, steps=sums | steps | {"itl_gaps": 10.0})
+    assert few is not None and few.load_step_seconds == 0.0

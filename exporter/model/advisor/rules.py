@@ -22,7 +22,7 @@ from exporter.model.advisor.types import (
     TierEvidence,
     WhatIfPoint,
 )
-from exporter.model.derive.balance import SAME_LOAD, DeliveredSaving, OffloadBalance
+from exporter.model.derive.balance import LOAD_STEPS, SAME_LOAD, DeliveredSaving, OffloadBalance
 from exporter.model.derive.engines import EngineDerived
 from exporter.thresholds import DEFAULT, Thresholds
 
@@ -163,6 +163,12 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         "transfer_speedup_ratio": speedup,
         "transfer_rate_estimated": 1.0 if d.transfer_estimated else 0.0,
         "engine_cuda_graphs": None if d.cuda_graphs is None else float(d.cuda_graphs),
+        "decode_step_seconds": d.decode_step_seconds,
+        "offload_load_steps_seconds": (
+            d.balance.load_step_seconds
+            if d.balance is not None and d.decode_step_seconds is not None
+            else None
+        ),
         "measured_saving_seconds_per_loaded_token": saving,
         "offload_buffer_bytes": d.offload_buffer_bytes,
         "offload_stored_since_start_bytes": d.offload_stored_bytes,
@@ -496,6 +502,39 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
             "offload pays here is not measured precisely enough yet to keep the tier or "
             "resize it. " + _MEASURE_BEFORE,
         )
+    stepped = bal.share(-2.0, load_steps=True) if bal is not None else None
+    if (
+        not proven
+        and bal is not None
+        and bal.load_step_seconds > 0
+        and (stepped is None or stepped <= -th.ttft_saving_material)
+    ):
+        # The TTFT fit prices a loaded token, and the wait for a load's steps is a cost per
+        # load: where loads carry similar prefixes it may land in the per-request cost
+        # instead, and while requests decode every step is as long as the decode makes it.
+        # 4B's bursts with 32 tokens decoded (eager, H100): the balance kept the tier at
+        # +9.9 +- 6.5 s, where the same requests took 12.4 % more TTFT with 16 GiB than
+        # without; its loaders waited 49.5 ms more, two steps at 22 ms. As with the stores,
+        # a bound on the side that makes a keep harmful: with every load charged its steps,
+        # the balance's lower end must stay short of a material cost.
+        assert d.decode_step_seconds is not None
+        at_least = f", a saving of at least {pct(lower)} of TTFT" if lower is not None else ""
+        cost = "a cost" if stepped is None else f"a cost of {pct(-stepped)} of TTFT"
+        loads = d.window.get("load_ops")
+        return advice(
+            Action.INSUFFICIENT_DATA,
+            Reason.RELOAD_BENEFIT_UNMEASURED,
+            f"{pct(hit)} of prompt tokens come back from the CPU tier and over the window "
+            f"{_balance_text(bal)}{at_least}. But a request that loads is computed "
+            f"{LOAD_STEPS} engine steps after its load goes out, and while requests decode "
+            f"this engine steps every {d.decode_step_seconds * 1e3:.1f} ms (vLLM's "
+            f"inter-token latency): "
+            + (f"the window's {loads:,.0f} loads" if loads is not None else "the loads")
+            + f" may have waited {bal.load_step_seconds:.2f} s, and with them the balance "
+            f"reaches {cost} (a material cost from {pct(th.ttft_saving_material)}). Whether "
+            "offload pays here is not measured precisely enough yet to keep the tier or "
+            "resize it. " + _MEASURE_BEFORE,
+        )
     if (
         d.reuse_ratio is not None
         and d.reuse_ratio < th.reuse_ratio_low
@@ -678,7 +717,8 @@ def _grow_that_pays(
     saved = grow.ttft_saved_lower_seconds_per_second if grow is not None else None
     if grow is None or saved is None or without <= 0 or inp.covered_seconds <= 0:
         return None
-    share = saved * inp.covered_seconds / without
+    # With its loads' steps charged where the engine decodes (WhatIfPoint).
+    share = (saved - grow.load_steps_seconds_per_second) * inp.covered_seconds / without
     return (grow, share) if share >= th.ttft_saving_material else None
 
 
@@ -937,14 +977,26 @@ def _evaluate_off(  # noqa: PLR0911, PLR0912  a decision list: rule order is the
     gate = linear if linear is not None and saved is not None else saved
     queued = gate is not None and saved is not None and f"{gate:.3f}" != f"{saved:.3f}"
     ttft = d.window.get("ttft_seconds")
+    # As a keep must (the balance's bounds), an enable must survive its loads' steps on an
+    # engine that decodes: 4B's eager decoding bursts, told at 5 s to enable 16 GiB at
+    # +0.020 s/s where that size cost 12.4 %.
+    steps = knee.load_steps_seconds_per_second
     if gate is not None and saved is not None and ttft and inp.covered_seconds > 0:
-        share = gate * inp.covered_seconds / ttft
+        share = (gate - steps) * inp.covered_seconds / ttft
         if share < th.ttft_saving_material:
-            queue = (
-                f", {gate:.3f} s without the engine's queue: {pct(share)} of the TTFT now "
-                f"(it pays from {pct(th.ttft_saving_material)} without the queue)"
-                if queued
-                else f", {pct(share)} of the TTFT now (it pays from {pct(th.ttft_saving_material)})"
+            parts = [f"{gate:.3f} s without the engine's queue"] if queued else []
+            if steps > 0:
+                parts.append(
+                    f"{gate - steps:.3f} s with each load waiting {LOAD_STEPS} engine steps of "
+                    f"{(d.decode_step_seconds or 0.0) * 1e3:.1f} ms (the inter-token latency)"
+                )
+            pays = f"it pays from {pct(th.ttft_saving_material)}" + (
+                " without the queue" if queued else ""
+            )
+            queue = "".join(f", {p}" for p in parts) + (
+                f": {pct(share)} of the TTFT now ({pays})"
+                if parts
+                else f", {pct(share)} of the TTFT now ({pays})"
             )
             return advice(
                 Action.NO_ACTION,

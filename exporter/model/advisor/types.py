@@ -213,7 +213,8 @@ REASON_INFO: Mapping[Reason, ReasonInfo] = MappingProxyType(
             "the CPU tier serves hits but the TTFT fit cannot yet show that a loaded token "
             "saves time, or the window's balance still reaches a cost at its lower end, or a "
             "material one (`ttft_saving_material`) with the stores at `store_cost_factor_max` "
-            "times their copy time",
+            "times their copy time, or, where the engine decodes, with every load charged two "
+            "engine steps at its inter-token latency",
         ),
         Reason.TIER_STILL_FILLING: ReasonInfo(
             Action.INSUFFICIENT_DATA,
@@ -331,6 +332,12 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
             "whether the engine serves with CUDA graphs: 0 where its command line says "
             "--enforce-eager or cudagraph_mode NONE; absent where the command line is unknown",
         ),
+        "decode_step_seconds": NumberInfo(
+            "engine step while decoding",
+            "seconds",
+            "vLLM's mean inter-token latency over the window: the engine's step time while "
+            "requests decode; absent where the window decoded too little to say",
+        ),
         "transfer_rate_estimated": NumberInfo(
             "reload rate estimated, not measured",
             "bool",
@@ -389,6 +396,12 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
         ),
         "offload_store_cost_seconds": NumberInfo(
             "TTFT the stores cost", "seconds", "the balance's store charge"
+        ),
+        "offload_load_steps_seconds": NumberInfo(
+            "TTFT the loads' steps may cost",
+            "seconds",
+            "the window's loads at two engine steps each, a step at the decode step time: "
+            "the bound a keep must survive (absent without a decode step time)",
         ),
         "recomputed_after_eviction_tokens": NumberInfo(
             "tokens recomputed after eviction",
@@ -494,6 +507,10 @@ class WhatIfPoint:
     # linearly, whatif.simulator.queue_saving): never above the estimate, what an "enable"
     # must clear, since the queue's share rests on a model of how requests overlap.
     ttft_saved_linear_seconds_per_second: float | None = None
+    # Where the engine decodes (EngineDerived.decode_step_seconds): the loads at this size
+    # charged two engine steps each at that step time (balance.LOAD_STEPS), the bound an
+    # "enable" or a "grow" must survive as a keep must; 0 without a decode step time.
+    load_steps_seconds_per_second: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

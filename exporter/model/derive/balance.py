@@ -41,6 +41,15 @@ LOADED = "prompt_by_source:external_kv_transfer"
 COMPUTED = "prompt_by_source:local_compute"
 # The window sums the balance needs, over the same intervals (TargetWindow.sums).
 KEYS = (LOADED, COMPUTED, "store_seconds", "ttft_seconds")
+# A request that loads is computed two engine steps after its load job goes out with a step
+# (vLLM 0.26's OffloadingConnector: the worker reports the job done with the next step's
+# output, and the suffix is scheduled in the step after), where without offload it would
+# have been computed in that first step: the median of every loader in the matrix's step
+# logs (bench.burst_steps: 22 offload runs, 0.6B to 14B, with and without CUDA graphs).
+LOAD_STEPS = 2
+# Fewer gaps than this give no step time: a mean of a handful of gaps is one request's
+# decode, not the engine's.
+MIN_DECODE_GAPS = 100
 DELIVERED_KEYS = ("ttft_requests", LOADED, COMPUTED, "ttft_seconds")
 # The TTFT fit with offload off: summed TTFT on requests and computed tokens per interval.
 TTFT_FIT_KEYS = ("ttft_requests", COMPUTED, "ttft_seconds")
@@ -60,6 +69,9 @@ class OffloadBalance:
     # (compute.computed_token_floor), and its standard error; None without a floor.
     floor_saved_seconds: float | None = None
     floor_stderr_seconds: float = 0.0
+    # The window's loads at LOAD_STEPS engine steps each, a step at the engine's decode step
+    # time (decode_step_seconds); 0 where the window has no step time (no decode).
+    load_step_seconds: float = 0.0
 
     def priced(
         self, z: float = 0.0, store_factor: float = 1.0, tokens: tuple[float, float] | None = None
@@ -109,21 +121,42 @@ class OffloadBalance:
         """The net's standard error below it (above it may be wider: upper_stderr_seconds)."""
         return (self.net_seconds - self.net(-2.0)) / 2
 
-    def share(self, z: float = 0.0, store_factor: float = 1.0) -> float | None:
+    def share(
+        self, z: float = 0.0, store_factor: float = 1.0, load_steps: bool = False
+    ) -> float | None:
         """Net saving (shifted by z standard errors, the stores charged at store_factor
-        times their copy time) over the TTFT the traffic would have had without offload."""
-        net = self.net(z, store_factor)
+        times their copy time, with `load_steps` every load's steps charged on top: the
+        fit may have priced them already, so this is a bound, not an estimate) over the
+        TTFT the traffic would have had without offload."""
+        net = self.net(z, store_factor) - (self.load_step_seconds if load_steps else 0.0)
         without = self.ttft_seconds + net
         if without <= 0:
             return None
         return net / without
 
 
+def decode_step_seconds(steps: Mapping[str, float] | None) -> float | None:
+    """The engine's step time while requests decode: vLLM's mean inter-token latency over
+    the window (its sums `itl_seconds` / `itl_gaps`), or None with fewer than
+    MIN_DECODE_GAPS gaps. On 4B's bursts with 32 tokens decoded per request (eager, H100)
+    it read 22.47 ms, the engine's step log 23.51 ms per decode step (docs/whatif.md,
+    bench.step_time)."""
+    gaps, seconds = (steps or {}).get("itl_gaps"), (steps or {}).get("itl_seconds")
+    if gaps is None or seconds is None or gaps < MIN_DECODE_GAPS or seconds <= 0:
+        return None
+    return seconds / gaps
+
+
 def offload_balance(
-    fit: OffloadFit | None, sums: Mapping[str, float] | None, floor: float | None = None
+    fit: OffloadFit | None,
+    sums: Mapping[str, float] | None,
+    floor: float | None = None,
+    steps: Mapping[str, float] | None = None,
 ) -> OffloadBalance | None:
     """None without a valid TTFT fit with an error estimate, or without store timing.
-    `floor`: the least a computed token costs (compute.computed_token_floor), or None."""
+    `floor`: the least a computed token costs (compute.computed_token_floor), or None.
+    `steps`: the window's sums (EngineDerived.window: `load_ops`, the load jobs, and the
+    inter-token latency's), or None."""
     if fit is None or not fit.valid or fit.saving_stderr is None or sums is None:
         return None
     loaded, computed = sums[LOADED], sums[COMPUTED]
@@ -146,6 +179,11 @@ def offload_balance(
             (floor - fit.loaded_seconds_per_token) * loaded if floor is not None else None
         ),
         floor_stderr_seconds=(fit.loaded_stderr or 0.0) * loaded,
+        load_step_seconds=(
+            LOAD_STEPS * steps.get("load_ops", 0.0) * step
+            if steps is not None and (step := decode_step_seconds(steps)) is not None
+            else 0.0
+        ),
     )
 
 

@@ -17,6 +17,7 @@ from exporter.model.derive.balance import (
     TTFT_FIT_KEYS,
     DeliveredSaving,
     OffloadBalance,
+    decode_step_seconds,
     delivered_saving,
     offload_balance,
 )
@@ -121,6 +122,9 @@ class EngineDerived:
     # Whether the engine serves with CUDA graphs (LaunchConfig.cuda_graphs); None where its
     # command line is unknown.
     cuda_graphs: bool | None = None
+    # The engine's step time while requests decode (balance.decode_step_seconds); None
+    # where the window decoded too little to say.
+    decode_step_seconds: float | None = None
 
     @property
     def tier_filling(self) -> bool:
@@ -244,6 +248,8 @@ WINDOW_KEYS = (
     "ttft_seconds",
     "ttft_requests",
     "preemptions",
+    "itl_seconds",
+    "itl_gaps",
 )
 
 
@@ -346,6 +352,7 @@ def derive_engine(
         ofit,
         dict(zip(BALANCE_KEYS, bal_sums, strict=True)) if bal_sums else None,
         settings.computed_token_floor,
+        window,
     )
 
     transfer: float | None = None
@@ -420,6 +427,7 @@ def derive_engine(
         offload_stored_bytes=es.counters.get("store_bytes") if enabled else None,
         computed_token_floor=settings.computed_token_floor,
         cuda_graphs=settings.launch.cuda_graphs if settings.launch is not None else None,
+        decode_step_seconds=decode_step_seconds(window),
         gpu_cache_turnover=gpu_cache_turnover(window, capacity) if fresh else None,
         window=window,
         totals=dict(totals),

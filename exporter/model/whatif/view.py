@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from exporter.model.advisor.types import PolicyPoint, TierEvidence, WhatIfPoint, WhatIfState
+from exporter.model.derive.balance import LOAD_STEPS
 from exporter.model.derive.engines import EngineDerived
 from exporter.model.derive.fits import PrefillFit, prefill_fit
 from exporter.model.whatif.engine import FLOORS, POLICY_COMBOS, EngineSnapshot, SimConfig
@@ -484,6 +485,18 @@ def whatif_state(
             (rho or 0.0) if queue else 0.0,
         )
 
+    # On an engine that decodes each load keeps its request two engine steps, each as long as
+    # the decode makes it (balance.LOAD_STEPS): offload off, the loads the simulation counts
+    # at a size; on, the window's own loads' charge in proportion to the hits.
+    step = d.decode_step_seconds
+
+    def load_steps(hits: float) -> float:
+        if step is None or view is None:
+            return 0.0
+        if bal is None:
+            return LOAD_STEPS * view.loads(hits) * step / view.seconds
+        return bal.load_step_seconds * hits / bal.loaded_tokens / view.seconds
+
     points = tuple(
         WhatIfPoint(
             float(size),
@@ -492,6 +505,7 @@ def whatif_state(
             saved(hits, upper_cost) if upper_cost is not None else None,
             saved(hits, cost, -2.0) if on else None,
             saved(hits, cost, queue=False) if not on else None,
+            load_steps(hits),
         )
         for size, hits in zip(sizes_bytes, view.hits, strict=True)
     )
