@@ -801,6 +801,69 @@ def test_4b_decoding_bursts_wait_where_their_loads_steps_eat_the_balance(evals) 
     assert one.advice.numbers["offload_load_steps_seconds"] is None
 
 
+def test_8b_decoding_bursts_with_graphs_keep_and_enable_through_their_loads_steps(evals) -> None:  # type: ignore[no-untyped-def]
+    """Batch 39 (holdout.json's `bursts-decode` on 8B with CUDA graphs, session 46, one
+    H200 host, each server alone): the decoding run where the tier should pay, because
+    8B's one-token bursts with graphs saved 18 to 33 % with 16 GiB. It paid, and the
+    two-step bound that holds back batch 38's keep must not hold back this one or the
+    enable before it. It does not: with every load charged two steps at vLLM's inter-token
+    latency, the keep's balance and the enable's saving both stay material.
+
+    What the window alone and the what-if promise is about twice what enabling delivered
+    (docs/whatif.md, "What batch 39 measured"): the estimate is not a bound. After its run
+    without offload, the delivered saving is measured against the engine's TTFT fit from
+    before, and that comes within the truth's 3 %."""
+    on_name, base_name = (
+        "qwen3-8b-bursts-decode-graphs-cpu16g",
+        "qwen3-8b-bursts-decode-graphs-none",
+    )
+    runs = {e.run: e for e in evals if e.run in (on_name, base_name)}
+    on, base = runs[on_name], runs[base_name]
+    metas = {n: _meta(MATRIX / n) for n in runs}
+    assert len({m["gpu"]["uuid"] for m in metas.values()}) == 1 and set(runs) <= held_out()
+    assert {m["workload"]["max_tokens"] for m in metas.values()} == {32}
+    row = burst_steps.table(MATRIX, [on_name])[on_name]
+    assert row["base"] == base_name and not row["eager"]
+    cost = row["summed_ttft_change"]
+    assert on.truth == base.truth == matrixkit.verdict(cost, on.threshold) == "pays"
+    material = Config().thresholds.ttft_saving_material
+    (engine,) = replay_one(MATRIX / on_name, Config()).final.targets[0].engines
+    n = engine.advice.numbers
+    step, loads = n["decode_step_seconds"], engine.derived.window["load_ops"]
+    assert step is not None and loads > 0
+    assert n["offload_load_steps_seconds"] == pytest.approx(2 * loads * step)
+    # The keep survives its loads' steps at the balance's lower end.
+    lower = n["offload_net_saving_seconds"] - 2 * n["offload_net_saving_stderr_seconds"]
+    stepped = lower - n["offload_load_steps_seconds"]
+    ttft = engine.derived.window["ttft_seconds"]
+    assert stepped / (ttft + stepped) >= material
+    assert (on.action, engine.advice.reason.value) == ("keep", "paying_off") and on.agrees
+    # The balance promised more than twice what the pair measured (per second of its window).
+    delivered = -cost * row["summed_ttft_base_s"]
+    assert n["offload_net_saving_seconds"] > 2 * delivered
+    # After its run without offload the tier is kept on what it delivered, which comes within
+    # the truth's threshold of the pair's own change.
+    base_replay = replay_one(MATRIX / base_name, Config())
+    (base_engine,) = base_replay.final.targets[0].engines
+    (after,) = (
+        replay_one(MATRIX / on_name, Config(), before=base_replay.before).final.targets[0].engines
+    )
+    assert after.advice.action.value == "keep" and on.after is not None and on.after.agrees
+    share = after.advice.numbers["offload_delivered_saving_share"]
+    assert share is not None and abs(share - (-cost)) < matrixkit.TRUTH_THRESHOLD
+    # The enable survives its loads' steps too, at the size the pair measured.
+    assert (base.action, base.recommended_bytes) == ("enable_offload", 16 * GIB) and base.agrees
+    assert base_engine.whatif is not None
+    at16 = next(p for p in base_engine.whatif.points if p.cpu_buffer_bytes == 16 * GIB)
+    linear, steps = at16.ttft_saved_linear_seconds_per_second, at16.load_steps_seconds_per_second
+    covered = base_engine.advice.numbers["window_covered_seconds"]
+    assert linear is not None and steps > 0
+    assert (linear - steps) * covered / base_engine.derived.window["ttft_seconds"] >= material
+    # Its prediction is more than twice what the pair measured: a miss.
+    (p,) = base.predictions
+    assert p.predicted is not None and not p.ok and p.predicted > 2 * p.measured > 0
+
+
 def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untyped-def]
     """80 % of the runs reach a decision within 5 minutes of traffic (issue 16)."""
     s = summary(evals)
@@ -1044,7 +1107,7 @@ def test_a_launch_bound_engines_bursts_are_charged_the_launch_a_load_adds(evals)
 
 
 @unmet_goal(
-    "21 of 92 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
+    "22 of 93 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
     "session 28's two, 32B chat at 24 GiB (+0.940 for +1.024) and 32B unique prompts at "
     "1 request/s (-0.009 for -0.002), session 29's three, 14B and 8B unique prompts on an "
     "H100 host (-0.022 for -0.004, -0.005 and -0.005 for -0.001), session 30's 8B unique "
@@ -1111,7 +1174,10 @@ def test_a_launch_bound_engines_bursts_are_charged_the_launch_a_load_adds(evals)
     "-0.042), the first out (+0.040 for -0.062: alone too the eager tier cost every step "
     "more than its loads saved); batch 38 (session 45), the eager 4B bursts decoding 32 "
     "tokens a request: +0.006 for -0.057 (its loaders waited two decode steps, which the "
-    "what-if prices from the prefill times, not the inter-token latency); and the four above",
+    "what-if prices from the prefill times, not the inter-token latency); batch 39 (session "
+    "46), 8B's decoding bursts with CUDA graphs on an H200 host: +0.144 for +0.070 (the "
+    "one-token 8B bursts with graphs on another H200 host: +0.102 for +0.097; decode or "
+    "host, batch 40 is to tell); and the four above",
 )
 def test_every_saving_predicted_before_enabling_matches_what_enabling_measured(evals) -> None:  # type: ignore[no-untyped-def]
     s = summary(evals)

@@ -644,7 +644,14 @@ def test_matrix_scenarios_are_data() -> None:
     # step with the tier on is the CPU's. Its batch 35 (staged in session 37): the 8B bursts
     # with graphs, the same way, each server alone: whether two runs of the same work that
     # repeat also predict alike (bench.fit_repeat).
-    assert len(graphs) == 18 + 4 + 4
+    # Batch 40 (staged in session 46, `-host`): the 8B one-token bursts with graphs again
+    # beside the decoding ones on one host.
+    host8 = [n for n in graphs if n.endswith("-host")]
+    assert host8 == [
+        "qwen3-8b-concurrent-graphs-none-host",
+        "qwen3-8b-concurrent-graphs-cpu16g-host",
+    ]
+    assert len(graphs) == 18 + 4 + 4 + 2
     alone8 = [n for n in graphs if n.startswith("qwen3-8b-") and re.search(r"-alone2?$", n)]
     first8 = SCENARIOS["qwen3-8b-concurrent-graphs-cpu16g"]
     assert alone8 == [
@@ -734,7 +741,8 @@ def test_matrix_scenarios_are_data() -> None:
     # 32 tokens, its own pair family: the same prompts at the same times, streamed; its run
     # without offload again (`-none-probe2`), the first having been recorded alone. Batch 39
     # (staged in session 45): the same decoding bursts on 8B with CUDA graphs, a pair of its
-    # own, served as batch 35's 8B bursts with graphs were.
+    # own, served as batch 35's 8B bursts with graphs were. Batch 40 (staged in session 46):
+    # batch 39's pair again, on one host with the one-token pair (`host8`).
     decode = [n for n in SCENARIOS if SCENARIOS[n].workload.name == "bursts-decode"]
     assert decode == [
         "qwen3-4b-bursts-decode-none-probe",
@@ -742,11 +750,14 @@ def test_matrix_scenarios_are_data() -> None:
         "qwen3-4b-bursts-decode-none-probe2",
         "qwen3-8b-bursts-decode-graphs-none",
         "qwen3-8b-bursts-decode-graphs-cpu16g",
+        "qwen3-8b-bursts-decode-graphs-none-host",
+        "qwen3-8b-bursts-decode-graphs-cpu16g-host",
     ]
-    assert set(decode) <= set(mk.load_scenarios(files=("holdout.json",)))
+    assert set(decode + host8) <= set(mk.load_scenarios(files=("holdout.json",)))
     bursts4 = SCENARIOS["qwen3-4b-concurrent-cpu16g-probe"]
     graphs8 = SCENARIOS["qwen3-8b-concurrent-graphs-cpu16g-alone"]
     assert SCENARIOS[decode[3]].pair == SCENARIOS[decode[4]].pair != SCENARIOS[decode[0]].pair
+    assert SCENARIOS[decode[5]].pair == SCENARIOS[decode[3]].pair
     for n in decode:
         sc = SCENARIOS[n]
         like = graphs8 if "-graphs-" in n else bursts4
@@ -764,7 +775,9 @@ def test_matrix_scenarios_are_data() -> None:
         )
         assert [r.prompt for r in mk.generate(sc)] == [r.prompt for r in mk.generate(bursts4)]
     logged = {
-        n for n, s in SCENARIOS.items() if s.step_log and n not in steps + four + alone8 + decode
+        n
+        for n, s in SCENARIOS.items()
+        if s.step_log and n not in steps + four + alone8 + decode + host8
     }
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
     again = (
@@ -791,8 +804,8 @@ def test_matrix_scenarios_are_data() -> None:
         assert n in mk.load_scenarios(files=("holdout.json",))
         assert sc.offload is None or sc.offload.size_gib == 16.0
     # A `-steps` or `-rep` run is the same work as the run it repeats.
-    for n in [*steps, *again]:
-        sc, first = SCENARIOS[n], SCENARIOS[re.sub(r"-(steps|rep2?|alone2?|probe2?)$", "", n)]
+    for n in [*steps, *again, *host8, *decode[5:]]:
+        sc, first = SCENARIOS[n], SCENARIOS[re.sub(r"-(steps|rep2?|alone2?|probe2?|host)$", "", n)]
         assert (sc.workload, sc.vllm_args, sc.offload, sc.pair) == (
             first.workload,
             first.vllm_args,
