@@ -859,6 +859,8 @@ def test_8b_decoding_bursts_with_graphs_keep_and_enable_through_their_loads_step
     covered = base_engine.advice.numbers["window_covered_seconds"]
     assert linear is not None and steps > 0
     assert (linear - steps) * covered / base_engine.derived.window["ttft_seconds"] >= material
+    # The enable says that on an engine that decodes the prediction has run high.
+    assert "This engine decodes" in base_engine.advice.explanation
     # Its prediction is more than twice what the pair measured: a miss.
     (p,) = base.predictions
     assert p.predicted is not None and not p.ok and p.predicted > 2 * p.measured > 0

@@ -94,6 +94,13 @@ def _lost_events_note(inp: AdvisorInput, reason: Reason) -> str:
     )
 
 
+# How a caution on an enable or a grow ends: the loop that judges it once it is on.
+_WATCH_DELIVERED = (
+    "Watch kvoffload_offload_delivered_ttft_saved_seconds_per_second once it is on: the advice "
+    "turns offload off when the same traffic is not faster than before."
+)
+
+
 def _eager_note(d: EngineDerived, action: Action) -> str:
     """A caution on an enable or a grow for an engine without CUDA graphs.
 
@@ -107,9 +114,28 @@ def _eager_note(d: EngineDerived, action: Action) -> str:
         return ""
     return (
         " This engine runs without CUDA graphs (--enforce-eager or cudagraph_mode NONE): "
-        "there a CPU tier has saved less than predicted before enabling, or cost. Watch "
-        "kvoffload_offload_delivered_ttft_saved_seconds_per_second once it is on: the advice "
-        "turns offload off when the same traffic is not faster than before."
+        "there a CPU tier has saved less than predicted before enabling, or cost. "
+        + _WATCH_DELIVERED
+    )
+
+
+def _decode_note(d: EngineDerived, action: Action) -> str:
+    """A caution on an enable or a grow for an engine that decodes (one whose window timed a
+    decode step), where the eager caution does not speak already.
+
+    Not a rule either: the matrix's one-token recordings are what the prediction was checked
+    on, and on both decoding recordings it ran high (4B eager bursts: +0.006 s/s predicted,
+    -0.057 measured; 8B bursts with CUDA graphs: +0.144 predicted, +0.070 measured;
+    docs/whatif.md, "What batch 39 measured"). Production traffic decodes."""
+    if (
+        d.decode_step_seconds is None
+        or d.cuda_graphs is False
+        or action not in (Action.ENABLE_OFFLOAD, Action.GROW_BUFFER)
+    ):
+        return ""
+    return (
+        " This engine decodes: on the recordings whose requests decode, the saving predicted "
+        "before enabling ran high. " + _WATCH_DELIVERED
     )
 
 
@@ -212,6 +238,7 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
             _policy_note(inp, th, action, reason)
             + _lost_events_note(inp, reason)
             + _eager_note(d, action)
+            + _decode_note(d, action)
         )
         return Advice(action, reason, text + note, rec, numbers)
 

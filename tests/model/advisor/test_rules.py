@@ -153,6 +153,32 @@ def test_an_enable_or_grow_on_an_engine_without_cuda_graphs_carries_a_caution():
     assert keep.action == Action.KEEP and caution not in keep.explanation
 
 
+def test_an_enable_or_grow_on_an_engine_that_decodes_carries_a_caution():
+    """On both decoding recordings the saving predicted before enabling ran high (docs/
+    whatif.md, "What batch 39 measured"), so an enable or a grow on an engine whose window
+    timed a decode step says so, and what to watch. Not on an engine that did not decode,
+    not on other actions, and not twice where the eager caution speaks already."""
+    w = WhatIfState(CURVE, recomputed_after_eviction_tokens=70_000.0)
+    caution = "This engine decodes"
+    watch = "kvoffload_offload_delivered_ttft_saved_seconds_per_second"
+    decoding = evaluate(inp(base(cuda_graphs=True, decode_step_seconds=0.006), whatif=w))
+    one_token = evaluate(inp(base(cuda_graphs=True), whatif=w))
+    assert decoding.action == one_token.action == Action.ENABLE_OFFLOAD
+    assert decoding.recommended_buffer_bytes == one_token.recommended_buffer_bytes
+    assert caution in decoding.explanation and watch in decoding.explanation
+    assert decoding.numbers["decode_step_seconds"] == 0.006
+    assert caution not in one_token.explanation and watch not in one_token.explanation
+    eager = evaluate(inp(base(cuda_graphs=False, decode_step_seconds=0.02), whatif=w))
+    assert caution not in eager.explanation and eager.explanation.count(watch) == 1
+
+    small = WhatIfState(CURVE, 70_000.0, configured_hit_ratio=0.01)
+    on = {**ON, "offload_buffer_bytes": 0.25 * GIB, "offload_hit_ratio": 0.01}
+    grow = evaluate(inp(base(**on, decode_step_seconds=0.006), whatif=small))
+    assert grow.action == Action.GROW_BUFFER and caution in grow.explanation
+    keep = evaluate(inp(base(**ON, decode_step_seconds=0.006)))
+    assert keep.action == Action.KEEP and caution not in keep.explanation
+
+
 def test_advice_from_a_what_if_that_lost_event_batches_says_so():
     """Every lost batch can only hide hits, so the advice names the share, whatever it is;
     no note before the evidence is weighed, nor without losses."""
