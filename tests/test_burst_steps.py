@@ -287,15 +287,20 @@ def test_a_load_jobs_own_cpu_work_is_a_minority_of_what_the_eager_4b_tier_cost(
     every_pair: dict[str, dict[str, Any]],
 ) -> None:
     """docs/whatif.md, "What a step's submission says": held at its run's host speed, a load
-    job's submission and plan imply a wait of at most 5 % of the base's summed TTFT on every
-    step-logged tier run, and under half of the change of every eager 4B pair that cost."""
+    job's submission and plan imply a wait of under 5 % of the base's summed TTFT on every
+    step-logged tier run whose load job submits in under 4 ms (all but one: batch 39's host,
+    "What batch 39 measured"), and under half of the change of every eager 4B pair that
+    cost."""
     logged = {n: r for n, r in every_pair.items() if "engine" in r}
-    shares = {}
+    shares, per_job = {}, {}
     for name, r in logged.items():
         job = r["engine"]["offload"]["submission"]["per_load_job"]
         assert job is not None and job["jobs"] > 100, name
         shares[name] = job["implied_wait_s"] / r["summed_ttft_base_s"]
-    assert len(shares) >= 15 and max(shares.values()) < 0.05
+        per_job[name] = job["submission_ms"]
+    slow = {n for n, ms in per_job.items() if ms >= 4.0}
+    assert len(shares) >= 15 and len(slow) == 1
+    assert {n for n, share in shares.items() if share >= 0.05} == slow
     costly = [
         n
         for n, r in logged.items()
