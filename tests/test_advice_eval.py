@@ -861,11 +861,50 @@ def test_8b_decoding_bursts_with_graphs_keep_and_enable_through_their_loads_step
     covered = base_engine.advice.numbers["window_covered_seconds"]
     assert linear is not None and steps > 0
     assert (linear - steps) * covered / base_engine.derived.window["ttft_seconds"] >= material
-    # The enable says that on an engine that decodes the prediction has run high.
-    assert "This engine decodes" in base_engine.advice.explanation
+    # The keep's balance says that on an engine that decodes it has run high; the enable,
+    # whose prediction came within on batch 40's host, does not.
+    assert "This engine decodes" in engine.advice.explanation
+    assert "This engine decodes" not in base_engine.advice.explanation
     # Its prediction is more than twice what the pair measured: a miss.
     (p,) = base.predictions
     assert p.predicted is not None and not p.ok and p.predicted > 2 * p.measured > 0
+
+
+def test_decoding_and_one_token_bursts_on_one_host_are_both_predicted_within(evals) -> None:  # type: ignore[no-untyped-def]
+    """Batch 40 (holdout.json's `-host`, session 47): batch 39's decoding 8B bursts with CUDA
+    graphs and the same bursts without decode, each without offload and with 16 GiB, all
+    four on one host. Batch 39's enable promised twice what 16 GiB delivered; on this host
+    both enables come within what their pairs measured, so decoding does not make the
+    prediction run high (docs/whatif.md, "What batch 40 measured"). The window's balance
+    does run high on the decoding pair, as on batch 39, and not on the one-token pair:
+    the keep that states it says so."""
+    pairs = {
+        "qwen3-8b-bursts-decode-graphs-cpu16g-host": "qwen3-8b-bursts-decode-graphs-none-host",
+        "qwen3-8b-concurrent-graphs-cpu16g-host": "qwen3-8b-concurrent-graphs-none-host",
+    }
+    names = set(pairs) | set(pairs.values())
+    runs = {e.run: e for e in evals if e.run in names}
+    metas = {n: _meta(MATRIX / n) for n in names}
+    assert set(runs) == names <= held_out()
+    assert len({m["gpu"]["uuid"] for m in metas.values()}) == 1
+    assert all(m["step_log"] and "host_probe" in m for m in metas.values())
+    ratios = {}
+    for on_name, base_name in pairs.items():
+        on, base = runs[on_name], runs[base_name]
+        row = burst_steps.table(MATRIX, [on_name])[on_name]
+        decodes = row["max_tokens"] > 1
+        assert row["base"] == base_name
+        cost = row["summed_ttft_change"]
+        assert on.truth == base.truth == matrixkit.verdict(cost, on.threshold) == "pays"
+        assert (base.action, base.recommended_bytes) == ("enable_offload", 16 * GIB)
+        (p,) = base.predictions
+        assert p.predicted is not None and p.measured > 0 and p.ok
+        (engine,) = replay_one(MATRIX / on_name, Config()).final.targets[0].engines
+        assert on.action == "keep" and on.agrees
+        delivered = -cost * row["summed_ttft_base_s"]
+        ratios[decodes] = engine.advice.numbers["offload_net_saving_seconds"] / delivered
+        assert ("This engine decodes" in engine.advice.explanation) == decodes
+    assert ratios[True] > 1.5 and ratios[False] < 1.25
 
 
 def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untyped-def]
@@ -1111,7 +1150,7 @@ def test_a_launch_bound_engines_bursts_are_charged_the_launch_a_load_adds(evals)
 
 
 @unmet_goal(
-    "22 of 93 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
+    "22 of 95 miss (docs/gpu-acceptance.md; session 27's two, unique prompts with CUDA graphs, "
     "session 28's two, 32B chat at 24 GiB (+0.940 for +1.024) and 32B unique prompts at "
     "1 request/s (-0.009 for -0.002), session 29's three, 14B and 8B unique prompts on an "
     "H100 host (-0.022 for -0.004, -0.005 and -0.005 for -0.001), session 30's 8B unique "

@@ -287,20 +287,16 @@ def test_a_load_jobs_own_cpu_work_is_a_minority_of_what_the_eager_4b_tier_cost(
     every_pair: dict[str, dict[str, Any]],
 ) -> None:
     """docs/whatif.md, "What a step's submission says": held at its run's host speed, a load
-    job's submission and plan imply a wait of under 5 % of the base's summed TTFT on every
-    step-logged tier run whose load job submits in under 4 ms (all but one: batch 39's host,
-    "What batch 39 measured"), and under half of the change of every eager 4B pair that
+    job's submission and plan imply a wait of under a tenth of the base's summed TTFT on
+    every step-logged tier run, and under half of the change of every eager 4B pair that
     cost."""
     logged = {n: r for n, r in every_pair.items() if "engine" in r}
-    shares, per_job = {}, {}
+    shares = {}
     for name, r in logged.items():
         job = r["engine"]["offload"]["submission"]["per_load_job"]
         assert job is not None and job["jobs"] > 100, name
         shares[name] = job["implied_wait_s"] / r["summed_ttft_base_s"]
-        per_job[name] = job["submission_ms"]
-    slow = {n for n, ms in per_job.items() if ms >= 4.0}
-    assert len(shares) >= 15 and len(slow) == 1
-    assert {n for n, share in shares.items() if share >= 0.05} == slow
+    assert len(shares) >= 15 and max(shares.values()) < 0.1
     costly = [
         n
         for n, r in logged.items()
@@ -308,6 +304,37 @@ def test_a_load_jobs_own_cpu_work_is_a_minority_of_what_the_eager_4b_tier_cost(
     ]
     assert len(costly) >= 5
     assert all(shares[n] < logged[n]["summed_ttft_change"] / 2 for n in costly)
+
+
+def test_a_load_job_costs_more_on_a_host_whose_launches_slowed(
+    every_pair: dict[str, dict[str, Any]],
+) -> None:
+    """docs/whatif.md, "What batch 40 measured": the same decoding 8B bursts with 16 GiB on
+    two hosts. On batch 39's the kernel launches the driver timed had slowed by half before
+    the tier run began, and its load jobs took longer, by about as much (beyond both
+    standard errors); its decode steps, each one CUDA graph, did not slow."""
+    slow, fast = (
+        every_pair["qwen3-8b-bursts-decode-graphs-cpu16g"],
+        every_pair["qwen3-8b-bursts-decode-graphs-cpu16g-host"],
+    )
+
+    def launch_us(r: dict[str, Any]) -> float:
+        probe = r["engine"]["offload"]["host_probe"]
+        return float(probe["before"] + probe["after"]) / 2
+
+    jobs = [r["engine"]["offload"]["submission"]["per_load_job"] for r in (slow, fast)]
+    launch = launch_us(slow) / launch_us(fast)
+    job = jobs[0]["submission_ms"] / jobs[1]["submission_ms"]
+    assert launch > 1.3 and job > 1.3 and abs(job / launch - 1) < 0.2
+    assert jobs[0]["submission_ms"] - jobs[1]["submission_ms"] > 2 * (
+        jobs[0]["submission_se_ms"] + jobs[1]["submission_se_ms"]
+    )
+    # Over the run without offload on the slowing host, whose launches went from about 7 us
+    # to about 10, a step's submission held within 5 % from its first sixth to its last.
+    base = slow["engine"]["base"]
+    assert base["host_probe"]["after"] / base["host_probe"]["before"] > 1.3
+    parts = base["submission"]["by_part_ms"]
+    assert max(parts) - min(parts) <= 0.05 * base["submission"]["median_ms"]
 
 
 def test_the_host_probe_is_read_from_a_runs_meta(tmp_path: Any) -> None:

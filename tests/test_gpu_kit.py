@@ -614,9 +614,12 @@ def test_matrix_scenarios_are_data() -> None:
     workloads = {s.workload.name for s in SCENARIOS.values()}
     assert shapes == {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"}
     assert {"rag-zipf", "chat", "unique", "long-context", "concurrent"} <= workloads
-    # With CUDA graphs, each beside its eager twin (batch 39's decoding bursts apart, below).
+    # With CUDA graphs, each beside its eager twin (batches 39 and 41's decoding bursts apart,
+    # below).
     graphs = [
-        n for n in SCENARIOS if "-graphs-" in n and SCENARIOS[n].workload.name != "bursts-decode"
+        n
+        for n in SCENARIOS
+        if "-graphs-" in n and not SCENARIOS[n].workload.name.startswith("bursts-decode")
     ]
     idle = [n for n in SCENARIOS if "-unique-idle-" in n]
     # stores.json (batch 23, staged in session 28): 14B on the unique prompts, at the
@@ -627,7 +630,7 @@ def test_matrix_scenarios_are_data() -> None:
         for n in SCENARIOS
         if n.rsplit("-", 1)[1] in ("none", "cpu64k", "cpu192k")
         and n not in graphs + idle + stores
-        and SCENARIOS[n].workload.name != "bursts-decode"
+        and not SCENARIOS[n].workload.name.startswith("bursts-decode")
     ]
     held_out = [n for n in matrix if SCENARIOS[n].shape.name == "qwen3-14b"]
     bursts = [n for n in matrix if SCENARIOS[n].shape.name in ("qwen3-1.7b", "qwen3-4b")]
@@ -774,10 +777,28 @@ def test_matrix_scenarios_are_data() -> None:
             bursts4.workload.seed,
         )
         assert [r.prompt for r in mk.generate(sc)] == [r.prompt for r in mk.generate(bursts4)]
+    # Batch 41 (staged in session 47, `bursts-decode256`): batch 39's pair decoding 256 tokens
+    # a request, the same prompts at the same times.
+    long_decode = [n for n in SCENARIOS if SCENARIOS[n].workload.name == "bursts-decode256"]
+    assert long_decode == [
+        "qwen3-8b-bursts-decode256-graphs-none",
+        "qwen3-8b-bursts-decode256-graphs-cpu16g",
+    ]
+    assert set(long_decode) <= set(mk.load_scenarios(files=("holdout.json",)))
+    for n, short in zip(long_decode, decode[3:5], strict=True):
+        sc, like = SCENARIOS[n], SCENARIOS[short]
+        assert (sc.shape, sc.vllm_args, sc.offload, sc.step_log) == (
+            like.shape,
+            like.vllm_args,
+            like.offload,
+            like.step_log,
+        )
+        assert sc.workload.max_tokens == 256 and sc.pair not in (like.pair, graphs8.pair)
+        assert [r.prompt for r in mk.generate(sc)] == [r.prompt for r in mk.generate(like)]
     logged = {
         n
         for n, s in SCENARIOS.items()
-        if s.step_log and n not in steps + four + alone8 + decode + host8
+        if s.step_log and n not in steps + four + alone8 + decode + host8 + long_decode
     }
     loops = {f"qwen3-{m}-concurrent-{t}" for m in ("4b", "14b") for t in ("none-ctl", "cpu16g")}
     again = (
