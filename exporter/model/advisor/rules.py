@@ -94,13 +94,6 @@ def _lost_events_note(inp: AdvisorInput, reason: Reason) -> str:
     )
 
 
-# How a caution on an enable or a grow ends: the loop that judges it once it is on.
-_WATCH_DELIVERED = (
-    "Watch kvoffload_offload_delivered_ttft_saved_seconds_per_second once it is on: the advice "
-    "turns offload off when the same traffic is not faster than before."
-)
-
-
 def _eager_note(d: EngineDerived, action: Action) -> str:
     """A caution on an enable or a grow for an engine without CUDA graphs.
 
@@ -114,8 +107,9 @@ def _eager_note(d: EngineDerived, action: Action) -> str:
         return ""
     return (
         " This engine runs without CUDA graphs (--enforce-eager or cudagraph_mode NONE): "
-        "there a CPU tier has saved less than predicted before enabling, or cost. "
-        + _WATCH_DELIVERED
+        "there a CPU tier has saved less than predicted before enabling, or cost. Watch "
+        "kvoffload_offload_delivered_ttft_saved_seconds_per_second once it is on: the advice "
+        "turns offload off when the same traffic is not faster than before."
     )
 
 
