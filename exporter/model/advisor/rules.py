@@ -160,15 +160,13 @@ def _knee(points: Sequence[WhatIfPoint], limit: float | None, share: float) -> W
     return None
 
 
-def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
-    """The advice for one engine from one evaluation, without hysteresis."""
+def _numbers(inp: AdvisorInput, headroom: float | None) -> dict[str, float | None]:
+    """The numbers behind an advice (types.NUMBERS says what each is)."""
     d = inp.derived
-    w = d.window
-    prompt = w.get("prompt_tokens")
+    prompt = d.window.get("prompt_tokens")
     speedup = d.transfer_speedup
     ofit = d.offload_fit
     saving = ofit.saving_seconds_per_token if ofit is not None else None
-    headroom = _headroom_for_buffer(inp, th)
     numbers: dict[str, float | None] = {
         "window_covered_seconds": inp.covered_seconds,
         "prompt_tokens": prompt,
@@ -199,6 +197,10 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["offload_delivered_saving_seconds"] = d.delivered.net_seconds
         numbers["offload_delivered_saving_stderr_seconds"] = d.delivered.stderr_seconds
         numbers["offload_delivered_saving_share"] = d.delivered.share()
+        # Measured where the delivered saving is, from the same fit before enabling.
+        cost, cost_se = d.request_cost or (None, None)
+        numbers["offload_request_cost_seconds"] = cost
+        numbers["offload_request_cost_stderr_seconds"] = cost_se
     if d.balance is not None:
         _, stores = d.balance.priced()
         numbers["offload_net_saving_seconds"] = d.balance.net_seconds
@@ -226,6 +228,21 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
         numbers["memory_usage_bytes"] = inp.memory.usage_bytes
         numbers["offload_pool_bytes"] = inp.memory.pool_bytes
 
+    best = max(inp.policy_alternatives, key=lambda p: p.hit_ratio, default=None)
+    if best is not None:
+        numbers["whatif_best_policy_hit_ratio"] = best.hit_ratio
+    return numbers
+
+
+def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
+    """The advice for one engine from one evaluation, without hysteresis."""
+    d = inp.derived
+    prompt = d.window.get("prompt_tokens")
+    ofit = d.offload_fit
+    saving = ofit.saving_seconds_per_token if ofit is not None else None
+    headroom = _headroom_for_buffer(inp, th)
+    numbers = _numbers(inp, headroom)
+
     def advice(action: Action, reason: Reason, text: str, rec: float | None = None) -> Advice:
         note = (
             _policy_note(inp, th, action, reason)
@@ -233,10 +250,6 @@ def evaluate(inp: AdvisorInput, th: Thresholds = DEFAULT) -> Advice:
             + _eager_note(d, action)
         )
         return Advice(action, reason, text + note, rec, numbers)
-
-    best = max(inp.policy_alternatives, key=lambda p: p.hit_ratio, default=None)
-    if best is not None:
-        numbers["whatif_best_policy_hit_ratio"] = best.hit_ratio
 
     if not d.fresh:
         return advice(
@@ -311,8 +324,9 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
         return advice(
             Action.DISABLE_OFFLOAD,
             Reason.DELIVERED_SAVING_IMMATERIAL,
-            f"{at_size}{pct(most)} (it pays from {pct(th.ttft_saving_material)}). The pinned "
-            "memory and the PCIe traffic buy nothing here; turn it off.",
+            f"{at_size}{pct(most)} (it pays from {pct(th.ttft_saving_material)})."
+            + _request_cost_note(d)
+            + " The pinned memory and the PCIe traffic buy nothing here; turn it off.",
         )
     least = delivered.share(-2.0) if delivered is not None else None
     proven = least is not None and least >= th.ttft_saving_material
@@ -600,7 +614,7 @@ def _evaluate_on(  # noqa: PLR0911, PLR0912, PLR0915  a decision list: rule orde
     if proven and delivered is not None:
         gain = (
             f" Since offload was enabled {_delivered_text(delivered)}: a saving of at least "
-            f"{pct(least)}."
+            f"{pct(least)}." + _request_cost_note(d)
         )
     elif bal is not None and (share := bal.share()) is not None:
         gain += f" Over the window {_balance_text(bal)} ({pct(share)} of TTFT)." + _decode_note(d)
@@ -739,6 +753,25 @@ def _grow_that_pays(
     # With its loads' steps charged where the engine decodes (WhatIfPoint).
     share = (saved - grow.load_steps_seconds_per_second) * inp.covered_seconds / without
     return (grow, share) if share >= th.ttft_saving_material else None
+
+
+def _request_cost_note(d: EngineDerived) -> str:
+    """What the tier adds to every request, where the two TTFT fits put it above nothing
+    beyond doubt: where offload does not pay, the part of its bill that no buffer size or
+    store threshold changes (the steps it adds to a request's way, paid at the engine's
+    step time; docs/whatif.md, "What a tier costs every request")."""
+    if d.request_cost is None:
+        return ""
+    cost, stderr = d.request_cost
+    requests = d.window.get("ttft_requests") or 0.0
+    if cost - 2 * stderr <= 0 or requests <= 0:
+        return ""
+    return (
+        f" Every request, whether it loaded or not, took {cost * 1e3:.1f} +- "
+        f"{2 * stderr * 1e3:.1f} ms more TTFT than before (the two TTFT fits' cost per "
+        f"request; {cost * requests:.2f} s over the window's {requests:.0f} requests): the "
+        "engine steps the tier adds to a request's way, not its copies."
+    )
 
 
 def _delivered_text(dv: DeliveredSaving) -> str:

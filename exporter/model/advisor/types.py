@@ -381,6 +381,16 @@ NUMBER_INFO: Mapping[str, NumberInfo] = MappingProxyType(
             "ratio",
             "the same over the TTFT without offload (negative: a cost)",
         ),
+        "offload_request_cost_seconds": NumberInfo(
+            "TTFT the tier adds to each request",
+            "seconds",
+            "offload on, the TTFT fit from before enabling known: the per-request cost of the "
+            "window's TTFT fit less that fit's, paid whether a request loads or not (the steps "
+            "the tier adds)",
+        ),
+        "offload_request_cost_stderr_seconds": NumberInfo(
+            "its standard error", "seconds", "of the TTFT the tier adds to each request"
+        ),
         "offload_net_saving_seconds": NumberInfo(
             "TTFT saved net of stores",
             "seconds",

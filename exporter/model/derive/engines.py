@@ -20,6 +20,7 @@ from exporter.model.derive.balance import (
     decode_step_seconds,
     delivered_saving,
     offload_balance,
+    request_cost,
 )
 from exporter.model.derive.balance import KEYS as BALANCE_KEYS
 from exporter.model.derive.fits import (
@@ -125,6 +126,9 @@ class EngineDerived:
     # The engine's step time while requests decode (balance.decode_step_seconds); None
     # where the window decoded too little to say.
     decode_step_seconds: float | None = None
+    # Offload on, where `delivered` is: the TTFT the tier adds to every request and its
+    # standard error (balance.request_cost).
+    request_cost: tuple[float, float] | None = None
 
     @property
     def tier_filling(self) -> bool:
@@ -446,6 +450,11 @@ def derive_engine(
         ttft_fit=tfit,
         ttft_fit_scale=tfit_scale,
         delivered=delivered,
+        request_cost=(
+            request_cost(ofit, comparable.fit)
+            if delivered is not None and comparable is not None
+            else None
+        ),
     )
 
 

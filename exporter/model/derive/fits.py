@@ -343,6 +343,9 @@ class OffloadFit:
     # At the floor the computed token's interval is one-sided: from the floor (stderr 0 below)
     # up to where the window's own fit reaches, two of these above the floor.
     computed_upper_stderr: float | None = None
+    # Of overhead_seconds, where the window fitted all three costs itself; None where a
+    # computed token's cost was given (from before, or its floor), whose error would move it.
+    overhead_stderr: float | None = None
 
     @property
     def _computed_upper_se(self) -> float | None:
@@ -527,11 +530,14 @@ def _offload_fit(pts: list[tuple[float, ...]]) -> OffloadFit | None:
         return None
     coef, cols, y = fitted.coef, fitted.columns, fitted.y
     cov = _covariance(cols, y, coef, fitted.unit, fitted.res)
-    stderr = se_b = se_c = None
+    stderr = se_a = se_b = se_c = None
     if cov is not None:
         var = cov[1][1] + cov[2][2] - 2 * cov[1][2]
         stderr = math.sqrt(var) if var >= 0 else None
+        se_a = math.sqrt(cov[0][0]) if cov[0][0] >= 0 else None
         se_b = math.sqrt(cov[1][1]) if cov[1][1] >= 0 else None
         se_c = math.sqrt(cov[2][2]) if cov[2][2] >= 0 else None
     r2 = _r2(cols, y, coef, fitted.res)
-    return OffloadFit(coef[0], coef[1], coef[2], len(y), r2, stderr, se_b, se_c)
+    return OffloadFit(
+        coef[0], coef[1], coef[2], len(y), r2, stderr, se_b, se_c, overhead_stderr=se_a
+    )

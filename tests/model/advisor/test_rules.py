@@ -543,6 +543,29 @@ def test_what_enabling_delivered_overrules_the_per_token_fits_both_ways():
     assert a.action == Action.KEEP
 
 
+def test_what_the_tier_adds_to_every_request_is_told_where_it_is_beyond_doubt():
+    """The H100 4B eager bursts with 16 GiB (batch 33's -rep2), replayed after their run
+    without offload: the requests took 104.50 s against 73.73 +- 3.75 s before, and the TTFT
+    fit's cost per request rose 74.4 +- 22.9 ms (two standard errors), 54.65 s over its 734
+    requests. A rise within its error is not stated, and without the fits' rise nothing is."""
+    d = base(
+        **{**ON, "window": {"prompt_tokens": 400_000.0, "ttft_requests": 734.0}},
+        delivered=DeliveredSaving(73.73, 104.50, 1.875),
+    )
+    a = evaluate(inp(replace(d, request_cost=(0.07445, 0.01143))))
+    assert a.action == Action.DISABLE_OFFLOAD and a.reason == "delivered_saving_immaterial"
+    assert "Every request, whether it loaded or not, took 74.5 +- 22.9 ms more" in a.explanation
+    assert "54.65 s over the window's 734 requests" in a.explanation
+    assert a.numbers["offload_request_cost_seconds"] == 0.07445
+    assert a.numbers["offload_request_cost_stderr_seconds"] == 0.01143
+    for quiet in ((0.02, 0.011), (-0.01, 0.002), None):
+        a = evaluate(inp(replace(d, request_cost=quiet)))
+        assert a.reason == "delivered_saving_immaterial"
+        assert "Every request" not in a.explanation
+    a = evaluate(inp(replace(d, request_cost=None)))
+    assert a.numbers["offload_request_cost_seconds"] is None
+
+
 def test_a_buffer_that_delivered_too_little_grows_where_a_larger_one_is_predicted_to_pay():
     """As with the balance: the configured size delivered nothing material, but the what-if
     predicts a larger buffer that fits to save a material share even at the lower end of a

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from exporter.model.derive.balance import (
@@ -10,8 +12,15 @@ from exporter.model.derive.balance import (
     OffloadBalance,
     delivered_saving,
     offload_balance,
+    request_cost,
 )
-from exporter.model.derive.fits import OffloadFit, PrefillFit, total_scale
+from exporter.model.derive.fits import (
+    OffloadFit,
+    PrefillFit,
+    offload_fit,
+    prefill_fit,
+    total_scale,
+)
 from tests.helpers import balance_sums
 
 # 40 us a computed token, 10 us a loaded one (saving 30 +- 2 us), valid.
@@ -146,3 +155,30 @@ def test_a_fits_scale_is_its_windows_total_over_its_prediction() -> None:
     assert total_scale(BEFORE, None) is None
     assert total_scale(BEFORE, (480.0, 400_000.0, 0.0)) is None
     assert total_scale(PrefillFit(0.0, 0.0, 10, 0.0), (480.0, 400_000.0, 1.0)) is None
+
+
+def test_what_the_tier_adds_to_every_request_is_the_rise_of_the_fits_cost_per_request() -> None:
+    """Before: 30 ms a request and 200 us a computed token. With the tier: 50 ms a request,
+    the same computed token, 20 us a loaded one. The offload fit's own per-request cost,
+    less the one before, is the 20 ms the tier adds; a fit given its computed token's cost
+    has no error of its own for it, so there is nothing to state."""
+    rng = random.Random(3)
+    before_pts, on_pts = [], []
+    for _ in range(40):
+        n = rng.randint(5, 15)
+        computed = n * rng.uniform(600, 1200)
+        loaded = n * rng.uniform(0, 800)
+        noise = rng.gauss(0, 0.01)
+        before_pts.append((n, computed, 0.030 * n + 200e-6 * computed + noise))
+        on_pts.append((n, computed, loaded, 0.050 * n + 200e-6 * computed + 20e-6 * loaded + noise))
+    before = prefill_fit(before_pts, 10)
+    on = offload_fit(on_pts, 10)
+    assert before is not None and on is not None
+    got = request_cost(on, before)
+    assert got is not None
+    cost, stderr = got
+    assert 0 < stderr < 0.005
+    assert abs(cost - 0.020) < 2 * stderr
+    assert request_cost(None, before) is None and request_cost(on, None) is None
+    given = OffloadFit(0.05, 200e-6, 20e-6, 40, 0.9, 1e-6, 1e-6, 1e-6, computed_before=True)
+    assert request_cost(given, before) is None
