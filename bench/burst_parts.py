@@ -5,12 +5,12 @@ TTFT fits see the first of the three.
     PYTHONPATH=. .venv/bin/python -m bench.burst_parts [tests/fixtures/gpu/matrix] [RUN ...]
         [--json]
 
-Per offload run whose requests come in bursts (the `burst` tag of the concurrent and
-bursts-decode workloads) with a run without offload of the same sequence on its machine
-(`matrixkit.base_run`): every burst's summed TTFT change with the tier, its requests paired
-by position (`matrixkit.matched_requests`), fitted by least squares with no intercept on the
-burst's requests, its computed tokens (with the tier) and its loaded tokens
-(`bench.common.loaded_tokens`):
+Per offload run whose requests come in bursts (the `concurrent` generator's, which tags each
+request with its burst: the concurrent and bursts-decode workloads) with a run without
+offload of the same sequence on its machine (`matrixkit.base_run`): every burst's summed
+TTFT change with the tier, its requests paired by position (`matrixkit.matched_requests`),
+fitted by least squares with no intercept on the burst's requests, its computed tokens (with
+the tier) and its loaded tokens (`bench.common.loaded_tokens`):
 
     change = r x requests + c x computed + l x loaded
 
@@ -46,7 +46,8 @@ from exporter.model.derive.fits import least_squares, offload_fit, prefill_fit
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import matrixkit  # type: ignore[import-not-found]  # bench/gpu holds scripts, not a package
 
-BURSTY = ("concurrent", "bursts-decode")
+# The workload generators (bench/gpu/matrixkit.py) that tag each request with its burst.
+BURSTY = ("concurrent",)
 
 
 def bursts(
@@ -124,7 +125,7 @@ def table(root: Path = MATRIX, names: Sequence[str] = ()) -> dict[str, dict[str,
     for name in names or sorted(metas):
         meta = metas[name]
         workload = meta.get("workload") or {}
-        if not meta.get("offload") or workload.get("name") not in BURSTY:
+        if not meta.get("offload") or workload.get("generator") not in BURSTY:
             continue
         base = matrixkit.base_run(metas, name)
         if base is None:

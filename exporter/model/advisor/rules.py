@@ -757,8 +757,9 @@ def _grow_that_pays(
 
 def _request_cost_note(d: EngineDerived) -> str:
     """What the tier adds to every request, where the two TTFT fits put it above nothing
-    beyond doubt: where offload does not pay, the part of its bill that no buffer size or
-    store threshold changes (the steps it adds to a request's way, paid at the engine's
+    beyond doubt; told with the advice that rests on what enabling delivered, a disable or
+    a keep it proved. It is the part of offload's bill that no buffer size or store
+    threshold changes (the steps the tier adds to a request's way, paid at the engine's
     step time; docs/whatif.md, "What a tier costs every request")."""
     if d.request_cost is None:
         return ""
