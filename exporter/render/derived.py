@@ -51,6 +51,7 @@ def derived_families(
     saving = Family("kvoffload_offload_saving_seconds_per_token")
     saved_rate = Family("kvoffload_offload_ttft_saved_seconds_per_second")
     delivered = Family("kvoffload_offload_delivered_ttft_saved_seconds_per_second")
+    request_cost = Family("kvoffload_offload_request_ttft_cost_seconds")
     for target, engines in per_target:
         span = (covered or {}).get(target, 0.0)
         for d in engines:
@@ -73,6 +74,8 @@ def derived_families(
                 overhead.add(labels, d.prefill_fit.overhead_seconds)
             fit_points.add(labels, d.prefill_fit.points if d.prefill_fit else 0)
             _offload_savings(d, labels, span, saving, saved_rate, delivered)
+            if d.request_cost is not None:
+                request_cost.add(labels, d.request_cost[0])
     return [
         enabled,
         *gauges.values(),
@@ -84,6 +87,7 @@ def derived_families(
         saving,
         saved_rate,
         delivered,
+        request_cost,
     ]
 
 

@@ -109,6 +109,17 @@ def test_what_enabling_delivered_is_its_net_seconds_per_covered_second() -> None
     assert len(by_name(derived_families([("t", [nothing_before])], covered={"t": 60.0}))[name]) == 0
 
 
+def test_what_the_tier_adds_to_every_request_is_exported_without_its_error() -> None:
+    """The 4B eager tier of `-rep2`, after its run without offload: 74.4 ms a request."""
+    d = base(offload_enabled=True, request_cost=(0.0744, 0.0114))
+    name = "kvoffload_offload_request_ttft_cost_seconds"
+    assert series(by_name(derived_families([("t", [d])]))[name]) == {
+        ("t", "qwen3-dummy", "0"): 0.0744
+    }
+    unknown = replace(d, request_cost=None)
+    assert len(by_name(derived_families([("t", [unknown])]))[name]) == 0
+
+
 def test_engines_of_several_targets_are_told_apart() -> None:
     e1 = base(key=EngineKey("qwen3-dummy", "1"), kv_usage=0.5)
     f = by_name(derived_families([("a", [base(kv_usage=0.9), e1]), ("b", [base(kv_usage=0.1)])]))
