@@ -758,9 +758,9 @@ def _grow_that_pays(
 def _request_cost_note(d: EngineDerived) -> str:
     """What the tier adds to every request, where the two TTFT fits put it above nothing
     beyond doubt; told with the advice that rests on what enabling delivered, a disable or
-    a keep it proved. It is the part of offload's bill that no buffer size or store
-    threshold changes (the steps the tier adds to a request's way, paid at the engine's
-    step time; docs/whatif.md, "What a tier costs every request")."""
+    a keep it proved. It is the part of offload's bill apart from what its loads save and
+    its stores cost (the steps the tier adds to a request's way, paid at the engine's step
+    time; docs/whatif.md, "What a tier costs every request")."""
     if d.request_cost is None:
         return ""
     cost, stderr = d.request_cost
