@@ -32,6 +32,7 @@ from exporter.thresholds import DEFAULT as T
 # exporter/thresholds.py); tests/test_dashboards.py allows no other literal.
 LOCAL_STEPS = {
     "no_saving": 0.0,  # TTFT saved per second: below 0 offload makes requests slower
+    "no_request_cost": 0.0,  # TTFT the tier adds to each request: above 0 it slows every one
     "up": 1.0,  # a target is up
     "pool_rounding": 1.05,  # offload pool more than 5% above the configured buffer
     "any_replays": 0.01,  # PCIe replays per second worth a look
@@ -278,7 +279,7 @@ DECISION = Dashboard(
                 Panel(
                     key="decision.speedup",
                     title="Transfer speedup: reload vs recompute",
-                    width=8,
+                    width=6,
                     kind="timeseries",
                     unit="suffix:×",
                     min=0,
@@ -304,7 +305,7 @@ DECISION = Dashboard(
                     kind="timeseries",
                     unit="percentunit",
                     min=0,
-                    width=8,
+                    width=6,
                     description=(
                         "Of the bytes written to the CPU tier, how many came back. Below "
                         f"{T.reuse_ratio_low:.0%} (dashed) nearly everything offloaded is never "
@@ -323,7 +324,7 @@ DECISION = Dashboard(
                     title="TTFT saved by offload, per second",
                     kind="timeseries",
                     unit="s",
-                    width=8,
+                    width=6,
                     description=(
                         "Seconds of time-to-first-token that offload saves per second of "
                         "wall time (summed over requests), net of its stores: loaded tokens "
@@ -345,6 +346,32 @@ DECISION = Dashboard(
                         ),
                     ),
                     steps=low_is_bad(LOCAL_STEPS["no_saving"]),
+                    threshold_lines=True,
+                    scenarios=GPU,
+                ),
+                Panel(
+                    key="decision.request_cost",
+                    title="TTFT offload adds to every request",
+                    kind="timeseries",
+                    unit="s",
+                    width=6,
+                    description=(
+                        "Seconds of time-to-first-token the CPU tier adds to each request, "
+                        "whether it loads from the tier or not: the fixed cost per request of "
+                        "the window's TTFT fit with offload on, less that of the engine's fit "
+                        "from before offload was enabled. It is the engine steps the tier "
+                        "puts in a request's way, apart from what its loads save (TTFT saved by "
+                        "offload, left). "
+                        "Above zero (red) every request pays it; the advice names it only "
+                        "where it exceeds twice its standard error (docs/advisor.md, what "
+                        "enabling delivered). Only after the exporter saw the engine without "
+                        "offload, and only where the window priced requests, computed and "
+                        "loaded tokens apart."
+                    ),
+                    queries=(
+                        Query(f"kvoffload_offload_request_ttft_cost_seconds{{{ENGINE}}}", EL),
+                    ),
+                    steps=high_is_bad(LOCAL_STEPS["no_request_cost"]),
                     threshold_lines=True,
                     scenarios=GPU,
                 ),

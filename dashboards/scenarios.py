@@ -17,7 +17,9 @@ gpu      recorded H200 runs with everything on (tests/fixtures/gpu/small-b-graph
          exporter settings; no host link bandwidth or memory limit) at the recorded
          exporter's scrape times. The recorded exporter output (an older version) adds
          only the families the current one cannot compute without the H200 host (NVML,
-         /proc, cgroup collectors).
+         /proc, cgroup collectors). large-b's exporter starts from what it remembered of
+         the same engine without offload (large-a's TTFT fit, the golden's --state-file),
+         as after the restart that enables offload: what enabling delivered has data.
 backends the KV transfer backends (docs/backends.md): recorded vLLM 0.26 H200 runs (the fs
          tiering spec; the 32B shape without offload as a prefill engine; two real
          disaggregated prefill/decode pairs of the 32B shape with NixlConnector on one H200,
@@ -33,6 +35,7 @@ import argparse
 import json
 import lzma
 import shlex
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -198,6 +201,11 @@ GPU_EXPORTER_INSTANCE = "h200-exporter:9747"
 GPU_RUN_LARGE = "large-b"
 GPU_EXPORTER_INSTANCE_LARGE = "h200-exporter-large:9747"
 GPU_RUNS_SHOWN = ((GPU_RUN, GPU_EXPORTER_INSTANCE), (GPU_RUN_LARGE, GPU_EXPORTER_INSTANCE_LARGE))
+# What the exporter remembered of an engine before offload was enabled (--state-file),
+# by shown run: large-b's is large-a's TTFT fit (the same 32B engine and traffic without
+# offload), the golden exposition's state (tests/fixtures/e2e/make_state.py), so the
+# panels of what enabling delivered and of the TTFT the tier adds to a request have data.
+GPU_RUN_STATE = {GPU_RUN_LARGE: REPO / "tests" / "fixtures" / "e2e" / "state.json"}
 
 
 def recorded_settings(config: str) -> Config:
@@ -232,11 +240,25 @@ def merged(current: str, recorded: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _state_for(config: str, target: str, folder: Path) -> str:
+    """A --state-file holding what the exporter remembered of the run's engine before
+    offload (GPU_RUN_STATE), keyed to the run's target; "" (no state) for the other runs."""
+    source = GPU_RUN_STATE.get(config)
+    if source is None:
+        return ""
+    doc = json.loads(source.read_text())
+    (remembered,) = doc["targets"].values()
+    path = folder / "state.json"
+    path.write_text(json.dumps({**doc, "targets": {target: remembered}}))
+    return str(path)
+
+
 def current_exporter(config: str) -> list[backfill.Scrape]:
     """What the current exporter exports over a recorded run: vLLM's /metrics and the KV
     events at their recorded times, with the run's exporter settings (host collectors
     off), at each scrape time of the recorded exporter; merged with the recorded exporter's
-    families that need the host collectors (NVML, /proc, cgroup)."""
+    families that need the host collectors (NVML, /proc, cgroup). A run in GPU_RUN_STATE
+    starts from what the exporter remembered of its engine without offload."""
     recorded = _recorded(config, "exporter")
     rec = recorded_settings(config)
     (target,) = rec.targets
@@ -264,9 +286,14 @@ def current_exporter(config: str) -> list[backfill.Scrape]:
         kv_bytes_per_token=target.kv_bytes_per_token,
         kv_events=list(read_kv_events(GPU_RUNS / config)),
     )
-    current = backfill.run_exporter(
-        [run], interval=rec.interval, configure=settings, times=[t for t, _ in recorded]
-    )
+    with tempfile.TemporaryDirectory(prefix="kvoe-scenario-") as tmp:
+        state = _state_for(config, target.label, Path(tmp))
+        current = backfill.run_exporter(
+            [run],
+            interval=rec.interval,
+            configure=lambda cfg: replace(settings(cfg), state_file=state),
+            times=[t for t, _ in recorded],
+        )
     return [
         (t, merged(now, then))
         for (t, then), (_, now) in zip(recorded, current.scrapes, strict=True)

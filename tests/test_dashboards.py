@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -481,6 +482,31 @@ def test_gpu_scenario_exporter_is_the_current_code_over_the_recording() -> None:
     settings = scenarios.recorded_settings(scenarios.GPU_RUN)
     assert settings.whatif_sizes[0] == 134217728 and settings.thresholds.min_window_seconds == 15
     assert settings.targets[0].kv_bytes_per_token == 114688
+
+
+def test_gpu_scenario_large_run_starts_from_its_engine_before_offload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """large-b's exporter starts from large-a's remembered TTFT fit (the state file keyed to
+    large-b's target), so what enabling delivered and the TTFT the tier adds to a request
+    are exported; without that state neither is."""
+    delivered = "kvoffload_offload_delivered_ttft_saved_seconds_per_second"
+    cost = "kvoffload_offload_request_ttft_cost_seconds"
+
+    def values(family: str, bodies: list[tuple[float, str]]) -> list[float]:
+        return [
+            float(line.rsplit(" ", 1)[1])
+            for _, body in bodies
+            for line in body.splitlines()
+            if line.startswith(family + "{")
+        ]
+
+    remembered = scenarios.current_exporter(scenarios.GPU_RUN_LARGE)
+    assert values(delivered, remembered) and values(cost, remembered)
+    assert all(math.isfinite(v) for v in values(cost, remembered))
+    monkeypatch.setattr(scenarios, "GPU_RUN_STATE", {})
+    forgotten = scenarios.current_exporter(scenarios.GPU_RUN_LARGE)
+    assert not values(delivered, forgotten) and not values(cost, forgotten)
 
 
 def test_merged_exposition_takes_each_family_whole_from_one_side() -> None:
