@@ -90,8 +90,11 @@ second, and the exporter's: the current exporter run over the recording (vLLM's 
 and the KV events at their recorded times, the run's exporter flags, \
 `dashboards/scenarios.py` `current_exporter`) at each scrape time of the exporter recorded \
 there, plus that recorded exporter's families that need the H200 host (NVML, /proc, cgroup \
-collectors). Backfilled at their recorded times moved to now (1 s apart), so rates are the \
-runs' own. Proven with every variable on *All* and narrowed to one value each |
+collectors). `large-b`'s exporter starts from what it remembered of the same engine \
+without offload (`large-a`'s TTFT fit, the golden exposition's `--state-file`), as after the \
+restart that enables offload, so what enabling delivered has data. Backfilled at their \
+recorded times moved to now (1 s apart), so rates are the runs' own. Proven with every \
+variable on *All* and narrowed to one value each |
 | backends | the KV transfer backends (docs/backends.md): the recorded H200 runs with vLLM \
 0.26 of the tiering spec (`tests/fixtures/gpu/small-tier`) and of the 32B shape without \
 offload (`large-a`), two real disaggregated prefill/decode pairs of the 32B shape with \
