@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from bench import advice_eval, burst_steps, fit_repeat
+from bench import advice_eval, burst_parts, burst_steps, fit_repeat
 from bench.advice_eval import (
     GOALS,
     MATRIX,
@@ -112,9 +112,9 @@ def test_a_family_served_with_cuda_graphs_is_judged_on_its_own(evals) -> None:  
     Session 31 (batch 28): the 8B bursts' 16 GiB pair again, with the engine-step log, on
     another machine: pays 33.0 %, predicted within (+0.124 s/s for +0.159)."""
     by = {e.run: e for e in evals}
-    # Batch 39's decoding bursts with CUDA graphs (session 46) are work of another kind: their
-    # own test.
-    graphs = [e for e in evals if "-graphs-" in e.run and "-decode-" not in e.run]
+    # Batch 39's decoding bursts with CUDA graphs (session 46) and batch 41's, decoding 256
+    # tokens (session 49), are work of another kind: their own tests.
+    graphs = [e for e in evals if "-graphs-" in e.run and "-bursts-decode" not in e.run]
     # + batch 33, 4B's bursts (session 36), batch 35, 8B's each server alone (session 40,
     # three of four), and batch 40's one-token pair beside its decoding one (session 47): each
     # its own test as well.
@@ -908,6 +908,66 @@ def test_decoding_and_one_token_bursts_on_one_host_are_both_predicted_within(eva
         ratios[decodes] = engine.advice.numbers["offload_net_saving_seconds"] / delivered
         assert ("This engine decodes" in engine.advice.explanation) == decodes
     assert ratios[True] > 1.5 and ratios[False] < 1.25
+
+
+def test_8b_bursts_decoding_256_tokens_pay_and_the_balance_overshoots_no_more(evals) -> None:  # type: ignore[no-untyped-def]
+    """Batch 41 (holdout.json's `bursts-decode256`, session 49, one H100 host, each server
+    alone): batch 39's decoding 8B bursts with CUDA graphs, each request decoding 256 tokens
+    instead of 32, so the engine decodes for most of the time between bursts. 16 GiB pays;
+    the window's balance and the tier's cost a request stay inside what the two 32-token
+    pairs measured, so neither grows with the decode. The prediction before enabling is
+    twice what 16 GiB delivered, as on batch 39, and as there the host's kernel launches
+    were slower around the tier run than around its base (docs/whatif.md, "What batch 41
+    measured"). After its run without offload the tier is kept on what it delivered."""
+    on_name, base_name = (
+        "qwen3-8b-bursts-decode256-graphs-cpu16g",
+        "qwen3-8b-bursts-decode256-graphs-none",
+    )
+    decode32 = {  # the 32-token pairs: batch 39's host, batch 40's
+        "qwen3-8b-bursts-decode-graphs-cpu16g": "qwen3-8b-bursts-decode-graphs-none",
+        "qwen3-8b-bursts-decode-graphs-cpu16g-host": "qwen3-8b-bursts-decode-graphs-none-host",
+    }
+    runs = {e.run: e for e in evals if e.run in (on_name, base_name)}
+    on, base = runs[on_name], runs[base_name]
+    metas = {n: _meta(MATRIX / n) for n in runs}
+    assert len({m["gpu"]["uuid"] for m in metas.values()}) == 1 and set(runs) <= held_out()
+    assert {m["workload"]["max_tokens"] for m in metas.values()} == {256}
+    steps = burst_steps.table(MATRIX, [on_name, *decode32])
+    row = steps[on_name]
+    assert row["base"] == base_name and not row["eager"]
+    cost = row["summed_ttft_change"]
+    assert on.truth == base.truth == matrixkit.verdict(cost, on.threshold) == "pays"
+
+    def overshoot(name: str) -> float:
+        (engine,) = replay_one(MATRIX / name, Config()).final.targets[0].engines
+        delivered = -steps[name]["summed_ttft_change"] * steps[name]["summed_ttft_base_s"]
+        return float(engine.advice.numbers["offload_net_saving_seconds"]) / delivered
+
+    assert on.action == "keep" and on.agrees
+    ratios = [overshoot(n) for n in decode32]
+    assert 1.5 < min(ratios) <= overshoot(on_name) <= max(ratios)
+    parts = burst_parts.table(MATRIX, [on_name, *decode32])
+    a_request = [parts[n]["request_ms"] for n in decode32]
+    assert min(a_request) <= parts[on_name]["request_ms"] <= max(a_request)
+    # The enable agrees and promises twice what 16 GiB delivered: a miss, high.
+    assert (base.action, base.recommended_bytes) == ("enable_offload", 16 * GIB) and base.agrees
+    (p,) = base.predictions
+    assert p.predicted is not None and not p.ok and p.predicted > 2 * p.measured > 0
+    # Its host launched kernels more slowly around the tier run than around its base, and a
+    # load job took more of a step's submission than on batch 40's steady host.
+    probes = row["engine"]
+    launch = {k: statistics.mean(probes[k]["host_probe"].values()) for k in ("base", "offload")}
+    assert launch["offload"] > 1.3 * launch["base"]
+    steady = steps["qwen3-8b-bursts-decode-graphs-cpu16g-host"]["engine"]["offload"]
+    job = probes["offload"]["submission"]["per_load_job"]["submission_ms"]
+    assert job > 1.5 * steady["submission"]["per_load_job"]["submission_ms"]
+    # After its run without offload: kept on what it delivered, within the truth's threshold
+    # of the pair's change.
+    before = replay_one(MATRIX / base_name, Config()).before
+    (after,) = replay_one(MATRIX / on_name, Config(), before=before).final.targets[0].engines
+    assert after.advice.action.value == "keep" and on.after is not None and on.after.agrees
+    share = after.advice.numbers["offload_delivered_saving_share"]
+    assert share is not None and abs(share - (-cost)) < matrixkit.TRUTH_THRESHOLD
 
 
 def test_decisions_within_five_minutes(evals) -> None:  # type: ignore[no-untyped-def]

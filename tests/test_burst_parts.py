@@ -62,7 +62,11 @@ def test_the_exporters_fits_see_what_the_tier_costs_every_request(rows) -> None:
     two standard errors of what the paired bursts say the tier cost each request, and the
     two move together across the runs."""
     assert len(rows) >= 30
-    assert {r["workload"] for r in rows.values()} >= {"concurrent", "bursts-decode"}
+    assert {r["workload"] for r in rows.values()} >= {
+        "concurrent",
+        "bursts-decode",
+        "bursts-decode256",
+    }
     for name, r in rows.items():
         assert abs(r["window_rise_ms"] - r["request_ms"]) < 2 * r["request_stderr_ms"], name
     xs = [r["request_ms"] for r in rows.values()]
