@@ -299,8 +299,8 @@ DECISION = Dashboard(
                         "With a CPU tier the two sides of its bill part here: a load's wait "
                         "is queue time, what it saves is prefill time. The 8B bursts decoding "
                         "256 tokens with 16 GiB queued 23 ms longer and prefilled 42 ms "
-                        "shorter a request than without (docs/whatif.md, what batch 41 "
-                        "measured); compare before and after enabling."
+                        "shorter a request than without (bench.latency_parts; docs/whatif.md, "
+                        "what batch 41 measured); compare before and after enabling."
                     ),
                     queries=(
                         mean_per_request("vllm:request_queue_time_seconds", "queue"),
