@@ -1285,8 +1285,8 @@ def test_a_launch_bound_engines_bursts_are_charged_the_launch_a_load_adds(evals)
     "46), 8B's decoding bursts with CUDA graphs on an H200 host: +0.144 for +0.070 (the "
     "one-token 8B bursts with graphs on another H200 host: +0.102 for +0.097; batch 40: the "
     "host, whose launches slowed by half while the pair ran); batch 41 (session 49), the same "
-    "bursts decoding 256 tokens on an H100 host: +0.202 for +0.100 (its host's launches a "
-    "third slower around the tier run than around its base); and the four above",
+    "bursts decoding 256 tokens on an H100 host: +0.202 for +0.100 (its host's launches "
+    "two fifths slower around the tier run than around its base); and the four above",
 )
 def test_every_saving_predicted_before_enabling_matches_what_enabling_measured(evals) -> None:  # type: ignore[no-untyped-def]
     s = summary(evals)
