@@ -85,6 +85,9 @@ def children(pid: int) -> list[int]:
     return [child for child, ppid, _ in _live_processes() if ppid == pid]
 
 
+KILL_WAIT = 5.0  # seconds stop() waits for a group it has sent SIGKILL to
+
+
 def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 20.0, linger: float = 10.0) -> None:
     """SIGTERM the whole process group (vLLM forks an engine core), then SIGKILL, and return
     only once no process of the group is alive. The leader exiting is not enough: Python's
@@ -104,9 +107,14 @@ def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 20.0, linger: fl
                 os.killpg(pgid, signal.SIGKILL)
             proc.wait(5)
     deadline = time.monotonic() + linger
+    killed = False
     while group_members(pgid):
         if time.monotonic() >= deadline:
+            if killed:
+                break
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-            break
+            # A SIGKILL lands when the kernel next schedules its target: on a loaded machine
+            # that is not at once, and returning before would leave the group alive.
+            killed, deadline = True, time.monotonic() + KILL_WAIT
         time.sleep(0.05)

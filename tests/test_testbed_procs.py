@@ -52,9 +52,8 @@ def test_stop_kills_a_child_that_would_never_leave(tmp_path: Path) -> None:
     pgid = proc.pid
     t0 = time.monotonic()
     stop(proc, linger=0.5)
-    deadline = time.monotonic() + 5  # SIGKILL is delivered, then the child is reaped
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # stop() returns once its SIGKILL has landed, however long the kernel took to deliver it
+    # (a CI run once found the child still alive right after a stop that did not wait).
     assert group_members(pgid) == []
     assert time.monotonic() - t0 < 10
 
