@@ -745,12 +745,15 @@ def test_matrix_scenarios_are_data() -> None:
     # without offload again (`-none-probe2`), the first having been recorded alone. Batch 39
     # (staged in session 45): the same decoding bursts on 8B with CUDA graphs, a pair of its
     # own, served as batch 35's 8B bursts with graphs were. Batch 40 (staged in session 46):
-    # batch 39's pair again, on one host with the one-token pair (`host8`).
+    # batch 39's pair again, on one host with the one-token pair (`host8`). Batch 42 (staged in
+    # session 50): batch 38's pair again on another host (`-none-probe3`, `-cpu16g-probe2`).
     decode = [n for n in SCENARIOS if SCENARIOS[n].workload.name == "bursts-decode"]
     assert decode == [
         "qwen3-4b-bursts-decode-none-probe",
         "qwen3-4b-bursts-decode-cpu16g-probe",
         "qwen3-4b-bursts-decode-none-probe2",
+        "qwen3-4b-bursts-decode-none-probe3",
+        "qwen3-4b-bursts-decode-cpu16g-probe2",
         "qwen3-8b-bursts-decode-graphs-none",
         "qwen3-8b-bursts-decode-graphs-cpu16g",
         "qwen3-8b-bursts-decode-graphs-none-host",
@@ -759,8 +762,9 @@ def test_matrix_scenarios_are_data() -> None:
     assert set(decode + host8) <= set(mk.load_scenarios(files=("holdout.json",)))
     bursts4 = SCENARIOS["qwen3-4b-concurrent-cpu16g-probe"]
     graphs8 = SCENARIOS["qwen3-8b-concurrent-graphs-cpu16g-alone"]
-    assert SCENARIOS[decode[3]].pair == SCENARIOS[decode[4]].pair != SCENARIOS[decode[0]].pair
-    assert SCENARIOS[decode[5]].pair == SCENARIOS[decode[3]].pair
+    assert SCENARIOS[decode[5]].pair == SCENARIOS[decode[6]].pair != SCENARIOS[decode[0]].pair
+    assert SCENARIOS[decode[7]].pair == SCENARIOS[decode[5]].pair
+    assert {SCENARIOS[n].pair for n in decode[:5]} == {SCENARIOS[decode[0]].pair}
     for n in decode:
         sc = SCENARIOS[n]
         like = graphs8 if "-graphs-" in n else bursts4
@@ -785,7 +789,7 @@ def test_matrix_scenarios_are_data() -> None:
         "qwen3-8b-bursts-decode256-graphs-cpu16g",
     ]
     assert set(long_decode) <= set(mk.load_scenarios(files=("holdout.json",)))
-    for n, short in zip(long_decode, decode[3:5], strict=True):
+    for n, short in zip(long_decode, decode[5:7], strict=True):
         sc, like = SCENARIOS[n], SCENARIOS[short]
         assert (sc.shape, sc.vllm_args, sc.offload, sc.step_log) == (
             like.shape,
