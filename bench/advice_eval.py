@@ -631,6 +631,10 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
         # change to the what-if that moves none across it still shows (session 26).
         "prediction_mean_abs_error": (sum(errors) / len(errors) if errors else None),
         "prediction_misses": [f"{p.run} at {_gib(p.size_bytes)}" for p in predictions if not p.ok],
+        # A miss above what enabling measured is the side that enables where it does not pay.
+        "prediction_misses_high": sum(
+            not p.ok and p.predicted is not None and p.predicted > p.measured for p in predictions
+        ),
         "after": {
             "verified": len(after),
             "agreeing": sum(a.agrees for a in after),
@@ -643,7 +647,15 @@ def summary(evals: Sequence[RunEval]) -> dict[str, Any]:
 
 def _mae(s: Mapping[str, Any]) -> str:
     mae = s.get("prediction_mean_abs_error")
-    return "" if mae is None else f" (mean absolute error {mae:.3f} s/s)"
+    if mae is None:
+        return ""
+    misses = len(s["prediction_misses"])
+    high = (
+        f"; {s['prediction_misses_high']} of the {misses} misses above the measured saving"
+        if misses
+        else ""
+    )
+    return f" (mean absolute error {mae:.3f} s/s{high})"
 
 
 def _gib(x: float | None) -> str:

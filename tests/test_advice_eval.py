@@ -1180,9 +1180,15 @@ def test_predictions_before_enabling_are_checked(evals) -> None:  # type: ignore
     assert all(p.predicted is not None and p.ok is not None for p in predictions)
     # How near they come on the whole is reported beside how many are within tolerance.
     errors = [abs(p.predicted - p.measured) for p in predictions if p.predicted is not None]
-    mae = summary(evals)["prediction_mean_abs_error"]
+    s = summary(evals)
+    mae = s["prediction_mean_abs_error"]
     assert mae == pytest.approx(sum(errors) / len(errors))
-    assert f"(mean absolute error {mae:.3f} s/s)" in markdown(evals)
+    # And which side the misses fall on: above the measured saving is where they enable.
+    misses = [p for p in predictions if not p.ok]
+    high = [p for p in misses if p.predicted is not None and p.predicted > p.measured]
+    assert s["prediction_misses_high"] == len(high) <= len(misses) == len(s["prediction_misses"])
+    tail = f"; {len(high)} of the {len(misses)} misses above the measured saving" if misses else ""
+    assert f"(mean absolute error {mae:.3f} s/s{tail})" in markdown(evals)
 
 
 def test_a_launch_bound_engines_bursts_are_charged_the_launch_a_load_adds(evals) -> None:  # type: ignore[no-untyped-def]
