@@ -92,7 +92,14 @@ def test_after_its_run_without_offload_the_exporter_states_what_the_bursts_measu
     name = max(rows, key=lambda n: rows[n]["request_ms"] - 2 * rows[n]["request_stderr_ms"])
     r = rows[name]
     base = replay_one(MATRIX / r["base"], Config())
-    (engine,) = replay_one(MATRIX / name, Config(), before=base.before).final.targets[0].engines
+    after = replay_one(MATRIX / name, Config(), before=base.before)
+    (engine,) = after.final.targets[0].engines
+    # Undone as soon as the window is long enough (docs/advisor.md: 123 s on 4B `-rep2`).
+    settled = [
+        s for s in after.timeline if s.action != "insufficient_data" and not s.pending_action
+    ]
+    window = Config().thresholds.min_window_seconds
+    assert settled[0].action == "disable_offload" and settled[0].t <= window + 5
     n = engine.advice.numbers
     cost, stderr = n["offload_request_cost_seconds"], n["offload_request_cost_stderr_seconds"]
     assert cost is not None and stderr is not None
