@@ -4,13 +4,12 @@ behind docs/whatif.md's "What a tier costs every request"."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from typing import Any
 
 import pytest
 
-from bench import burst_parts
+from bench import burst_parts, burst_steps
 from bench.advice_eval import MATRIX
 from exporter.config import Config
 from exporter.replay import replay_one
@@ -130,8 +129,12 @@ GRAPHS_DECODING = (
 
 
 def _launch_us(run: str) -> list[float]:
-    probe = json.loads((MATRIX / run / "meta.json").read_text())["host_probe"]
-    return [float(probe[k]["launch_us"]) for k in ("before", "after")]
+    """The host probe's kernel launch time before and after the run (bench.burst_steps)."""
+    probe = burst_steps.host_probe(MATRIX / run)
+    assert probe is not None
+    got = [probe["before"], probe["after"]]
+    assert None not in got, run
+    return [float(x) for x in got if x is not None]
 
 
 def test_with_cuda_graphs_the_inter_token_latency_does_not_rank_the_tiers_cost(rows) -> None:  # type: ignore[no-untyped-def]
